@@ -1,0 +1,37 @@
+"""reshard.store: checkpoints as zarr v3 arrays whose shards follow the device layout.
+
+Write from every rank with :func:`create` / ``write`` / ``commit`` (or :func:`save`
+in one process), read lazily with :func:`open`, load any rank of any layout
+with ``Checkpoint.load``, redivide with :func:`redivide`.
+"""
+
+from reshard.layouts.errors import *  # noqa: F403  (one errors module for the project)
+from reshard.layouts.errors import __all__ as _errors
+
+from .dtypes import SUPPORTED as SUPPORTED_DTYPES
+from .dtypes import register_zarr_dtypes
+from .format import FORMAT_VERSION
+from .ops import redivide, save, save_pieces
+from .reader import Checkpoint, LazyTensor, open
+from .storage import IOStats
+from .writer import CheckpointWriter, commit, create
+
+__version__ = "0.1.0"
+
+register_zarr_dtypes()
+
+__all__ = [
+    *_errors,
+    "FORMAT_VERSION",
+    "SUPPORTED_DTYPES",
+    "Checkpoint",
+    "CheckpointWriter",
+    "IOStats",
+    "LazyTensor",
+    "commit",
+    "create",
+    "open",
+    "redivide",
+    "save",
+    "save_pieces",
+]

@@ -1,0 +1,100 @@
+"""Data types: the names written to zarr metadata and their numpy twins.
+
+Names follow the zarr v3 core spec and, for the types the spec lacks
+(``bfloat16``, ``float8_e4m3fn``, ``float8_e5m2``), the names TensorStore uses,
+so TensorStore reads the files natively. numpy gets these types from
+``ml_dtypes``; zarr-python gets them from :func:`register_zarr_dtypes`, which
+``import reshard.store`` calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import ml_dtypes
+import numpy as np
+
+from reshard.layouts.errors import DTypeMismatchError
+
+_BY_NAME: dict[str, np.dtype[Any]] = {
+    "bool": np.dtype(np.bool_),
+    "int8": np.dtype(np.int8),
+    "int16": np.dtype(np.int16),
+    "int32": np.dtype(np.int32),
+    "int64": np.dtype(np.int64),
+    "uint8": np.dtype(np.uint8),
+    "uint16": np.dtype(np.uint16),
+    "uint32": np.dtype(np.uint32),
+    "uint64": np.dtype(np.uint64),
+    "float16": np.dtype(np.float16),
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
+    "float8_e5m2": np.dtype(ml_dtypes.float8_e5m2),
+}
+_BY_DTYPE = {dt: name for name, dt in _BY_NAME.items()}
+
+#: Every dtype name a checkpoint may hold.
+SUPPORTED = tuple(_BY_NAME)
+
+
+def dtype_name(dtype: Any) -> str:
+    """Return the stored name of a numpy dtype (native byte order assumed).
+
+    Raises
+    ------
+    DTypeMismatchError
+        If reshard cannot store the dtype.
+    """
+    dt = np.dtype(dtype).newbyteorder("=")
+    try:
+        return _BY_DTYPE[dt]
+    except KeyError:
+        raise DTypeMismatchError(
+            f"dtype {dt} is not supported; supported: {', '.join(SUPPORTED)}"
+        ) from None
+
+
+def numpy_dtype(name: str) -> np.dtype[Any]:
+    """Return the numpy dtype for a stored dtype name."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise DTypeMismatchError(
+            f"stored dtype {name!r} is unknown; known: {', '.join(SUPPORTED)}"
+        ) from None
+
+
+def register_zarr_dtypes() -> None:
+    """Teach zarr-python the ml_dtypes types under TensorStore's names (idempotent)."""
+    from zarr.core.dtype import data_type_registry
+    from zarr.core.dtype.npy.float import BaseFloat
+
+    def make(name: str) -> type:
+        dt = _BY_NAME[name]
+
+        @dataclass(frozen=True, kw_only=True)
+        class MLFloat(BaseFloat):  # type: ignore[type-arg]
+            dtype_cls = type(dt)
+            _zarr_v3_name: ClassVar[str] = name  # type: ignore[misc]
+            _zarr_v2_names: ClassVar[tuple[str, ...]] = ()
+
+            @classmethod
+            def _check_native_dtype(cls, dtype: Any) -> bool:
+                return bool(np.dtype(dtype) == dt)
+
+            def to_native_dtype(self) -> Any:
+                return dt
+
+            @property
+            def item_size(self) -> int:
+                return dt.itemsize
+
+        MLFloat.__name__ = MLFloat.__qualname__ = name.capitalize()
+        return MLFloat
+
+    for name in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+        if name not in data_type_registry.contents:
+            data_type_registry.register(name, make(name))

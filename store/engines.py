@@ -1,0 +1,82 @@
+"""TensorStore and zarr-python as alternative engines over the same files.
+
+reshard's own reader (``engine="fast"``) is the default because it is several
+times faster on the common case (see docs/performance.md). These engines read
+(and, for the writer, write) the very same zarr v3 arrays through the general
+libraries; the tests run every round trip through all of them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from reshard.layouts.errors import FormatError
+
+from .format import ArrayMeta
+
+if TYPE_CHECKING:
+    from .reader import Checkpoint
+    from .storage import Storage
+
+Region = tuple[slice, ...]
+
+
+def kvstore_spec(storage: Storage, path: str) -> dict[str, Any]:
+    """A TensorStore kvstore spec for ``path`` under a storage root."""
+    proto = storage.fs.protocol if isinstance(storage.fs.protocol, str) else storage.fs.protocol[0]
+    full = f"{storage.root}/{path}".lstrip("/") if not storage.local else f"{storage.root}/{path}"
+    if storage.local:
+        return {"driver": "file", "path": full}
+    if proto in ("s3", "s3a"):
+        bucket, _, key = full.partition("/")
+        spec: dict[str, Any] = {"driver": "s3", "bucket": bucket, "path": key + "/"}
+        endpoint = (getattr(storage.fs, "client_kwargs", None) or {}).get("endpoint_url")
+        if endpoint:
+            spec["endpoint"] = endpoint
+            spec["aws_region"] = "us-east-1"
+        return spec
+    if proto in ("gs", "gcs"):
+        bucket, _, key = full.partition("/")
+        return {"driver": "gcs", "bucket": bucket, "path": key + "/"}
+    if proto in ("http", "https"):
+        return {"driver": "http", "base_url": f"{proto}://{full}"}
+    raise FormatError(f"the tensorstore engine cannot reach {storage.url!r} ({proto}://); use engine='fast'")
+
+
+def tensorstore_array(storage: Storage, meta: ArrayMeta, write: bool = False) -> Any:
+    """Open one stored tensor with TensorStore (without touching its metadata on write)."""
+    import tensorstore as ts
+
+    spec: dict[str, Any] = {"driver": "zarr3", "kvstore": kvstore_spec(storage, meta.path)}
+    if write:  # metadata is written at commit: write shards against the known metadata
+        doc = meta.to_zarr_json()
+        spec["metadata"] = {k: v for k, v in doc.items() if k not in ("zarr_format", "node_type", "storage_transformers")}
+        return ts.open(spec, write=True, assume_metadata=True).result()
+    return ts.open(spec, read=True).result()
+
+
+def zarr_array(storage: Storage, meta: ArrayMeta) -> Any:
+    """Open one stored tensor with zarr-python (read only)."""
+    import zarr
+
+    if storage.local:
+        store: Any = zarr.storage.LocalStore(storage.root, read_only=True)
+    else:
+        store = zarr.storage.FsspecStore.from_url(storage.url, read_only=True,
+                                                  storage_options=getattr(storage.fs, "storage_options", None))
+    return zarr.open_array(store=store, path=meta.path, mode="r")
+
+
+def read_with_engine(ckpt: Checkpoint, meta: ArrayMeta, region: Region) -> np.ndarray:
+    """Read a region of a tensor with ``ckpt.engine`` (``"tensorstore"`` or ``"zarr"``)."""
+    if ckpt.engine == "tensorstore":
+        arr = tensorstore_array(ckpt.storage, meta)
+        return np.asarray(arr[region].read().result())
+    return np.asarray(zarr_array(ckpt.storage, meta)[region])
+
+
+def write_with_tensorstore(storage: Storage, meta: ArrayMeta, region: Region, data: np.ndarray) -> None:
+    """Write one rank's block through TensorStore (shard-aligned: one writer per shard)."""
+    tensorstore_array(storage, meta, write=True)[region].write(data).result()

@@ -1,0 +1,273 @@
+"""The on-disk format: names, chunk grids, zarr v3 metadata documents.
+
+Pure functions and records; no I/O here. See ``docs/format.md`` for the prose
+version of every rule in this module.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from reshard.layouts import Layout
+from reshard.layouts.errors import BadNameError, FormatError
+
+from .dtypes import numpy_dtype
+
+#: Version of the reshard layer on top of zarr v3 (attributes, marker, manifests).
+FORMAT_VERSION = 1
+#: Default target size of one inner chunk, the unit of reading.
+DEFAULT_CHUNK_BYTES = 1 << 20
+META_DIR = ".reshard"
+COMMIT_KEY = f"{META_DIR}/commit.json"
+LOCK_KEY = f"{META_DIR}/commit.lock"
+MISSING = np.uint64(2**64 - 1)
+
+_SAFE = re.compile(r"[A-Za-z0-9_-]")
+
+
+# --------------------------------------------------------------------- names
+def escape_component(part: str, name: str) -> str:
+    """Escape one dotted component of ``name`` into a safe zarr node name.
+
+    Characters outside ``[A-Za-z0-9_-]`` become ``~XX`` (UTF-8 hex), so a name can
+    never hold ``/``, ``..`` or anything a store or URL treats specially; a leading
+    ``__`` (reserved by zarr) is escaped too.
+    """
+    if not part:
+        raise BadNameError(f"tensor name {name!r} has an empty component")
+    out = "".join(
+        c if _SAFE.fullmatch(c) else "".join(f"~{b:02X}" for b in c.encode()) for c in part
+    )
+    if out.startswith("__"):
+        out = "~5F" + out[1:]
+    return out
+
+
+def unescape_component(part: str) -> str:
+    """Invert :func:`escape_component`."""
+    raw = re.sub(rb"~([0-9A-F]{2})", lambda m: bytes([int(m.group(1), 16)]), part.encode())
+    return raw.decode("utf-8")
+
+
+def tensor_path(name: str) -> str:
+    """Return the zarr path (``a/b/c``) of a dotted tensor name (``a.b.c``)."""
+    if not isinstance(name, str) or not name:
+        raise BadNameError(f"tensor name must be a non-empty string, got {name!r}")
+    return "/".join(escape_component(p, name) for p in name.split("."))
+
+
+def tensor_name(path: str) -> str:
+    """Return the dotted tensor name of a zarr path (inverse of :func:`tensor_path`)."""
+    return ".".join(unescape_component(p) for p in path.split("/"))
+
+
+# --------------------------------------------------------------- chunk grids
+def shard_shape(layout: Layout) -> tuple[int, ...]:
+    """Return the zarr chunk (= shard) shape for a saving layout.
+
+    A regular layout uses one writer block as the shard. A layout whose blocks
+    are not the cells of a regular grid (balanced splits, explicit blocks) uses,
+    per dim, the gcd of all block boundaries: every shard then lies inside
+    exactly one block, so every shard object still has exactly one writer.
+    """
+    if not layout.shape:
+        return ()
+    if layout.is_regular():
+        blocks = layout.blocks()
+        if blocks:
+            return tuple(max(1, s.stop - s.start) for s in blocks[0].region)
+        return tuple(max(1, n) for n in layout.shape)
+    return tuple(
+        max(1, math.gcd(*layout.boundaries(d))) for d in range(len(layout.shape))
+    )
+
+
+def inner_chunk_shape(shard: tuple[int, ...], itemsize: int, target: int) -> tuple[int, ...]:
+    """Choose the inner chunk (read unit) inside a shard.
+
+    Rule: keep trailing dims whole (a chunk is a run of C-order rows, so it lands
+    contiguously in a destination with the same trailing extents) and take the
+    largest divisor of the leading dim that keeps the chunk within ``target``
+    bytes; if one row alone is over ``target``, do the same one dim further in.
+    """
+    chunk = list(shard)
+    for d in range(len(shard)):
+        row = itemsize * math.prod(chunk[d + 1 :])
+        if row * chunk[d] <= target:
+            break
+        fit = max(1, target // row) if row <= target else 1
+        chunk[d] = max(c for c in _divisors(shard[d]) if c <= fit)
+        if row <= target:
+            break
+    return tuple(chunk)
+
+
+def _divisors(n: int) -> list[int]:
+    small = [i for i in range(1, math.isqrt(n) + 1) if n % i == 0]
+    return sorted(set(small + [n // i for i in small]))
+
+
+# ------------------------------------------------------------------ records
+@dataclass(frozen=True)
+class ArrayMeta:
+    """Everything needed to read one stored tensor: a plain record.
+
+    Attributes
+    ----------
+    name : str
+        Dotted tensor name.
+    shape, dtype : tuple of int, str
+        Global shape and stored dtype name.
+    shard, chunk : tuple of int
+        Shard (zarr chunk) shape and inner chunk shape.
+    layout : Layout
+        The layout the tensor was saved with.
+    checksums : bool
+        Whether every inner chunk ends with a crc32c.
+    compressor : str or None
+        ``"zstd"`` or None.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    shard: tuple[int, ...]
+    chunk: tuple[int, ...]
+    layout: Layout
+    checksums: bool = True
+    compressor: str | None = None
+    origin: Any = None
+
+    @property
+    def path(self) -> str:
+        return tensor_path(self.name)
+
+    @property
+    def np_dtype(self) -> np.dtype[Any]:
+        return numpy_dtype(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.np_dtype.itemsize
+
+    @property
+    def grid(self) -> tuple[int, ...]:
+        """Number of shards along each dim."""
+        return tuple(-(-n // s) for n, s in zip(self.shape, self.shard, strict=True))
+
+    @property
+    def chunks_per_shard(self) -> tuple[int, ...]:
+        return tuple(s // c for s, c in zip(self.shard, self.chunk, strict=True))
+
+    def shard_key(self, index: tuple[int, ...]) -> str:
+        """Storage key (relative to the checkpoint root) of the shard at ``index``."""
+        return "/".join([self.path, "c", *map(str, index)])
+
+    def shard_region(self, index: tuple[int, ...]) -> tuple[slice, ...]:
+        """Global region of a shard, clipped to the array."""
+        return tuple(
+            slice(i * s, min((i + 1) * s, n))
+            for i, s, n in zip(index, self.shard, self.shape, strict=True)
+        )
+
+    def shards_in(self, region: tuple[slice, ...]) -> Iterator[tuple[int, ...]]:
+        """Indices of the shards that intersect a global region (C order)."""
+        ranges = [
+            range(r.start // s, -(-r.stop // s)) if r.stop > r.start else range(0)
+            for r, s in zip(region, self.shard, strict=True)
+        ]
+        yield from itertools.product(*ranges)
+
+    def index_nbytes(self) -> int:
+        """Size of a shard's index (offset/nbytes pairs plus its crc32c)."""
+        return 16 * math.prod(self.chunks_per_shard) + 4
+
+    def to_zarr_json(self) -> dict[str, Any]:
+        """The array's ``zarr.json`` document (zarr v3, sharding_indexed)."""
+        inner: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
+        if self.compressor == "zstd":
+            inner.append({"name": "zstd", "configuration": {"level": 3, "checksum": False}})
+        if self.checksums:
+            inner.append({"name": "crc32c"})
+        attrs: dict[str, Any] = {"reshard": {"layout": self.layout.to_json()}}
+        if self.origin is not None:
+            attrs["reshard"]["origin"] = self.origin
+        if self.shape:
+            codecs: list[dict[str, Any]] = [
+                {
+                    "name": "sharding_indexed",
+                    "configuration": {
+                        "chunk_shape": list(self.chunk),
+                        "codecs": inner,
+                        "index_codecs": [
+                            {"name": "bytes", "configuration": {"endian": "little"}},
+                            {"name": "crc32c"},
+                        ],
+                        "index_location": "end",
+                    },
+                }
+            ]
+        else:
+            codecs = inner
+        fill: Any = False if self.dtype == "bool" else 0
+        return {
+            "zarr_format": 3,
+            "node_type": "array",
+            "shape": list(self.shape),
+            "data_type": self.dtype,
+            "chunk_grid": {
+                "name": "regular",
+                "configuration": {"chunk_shape": list(self.shard) if self.shape else []},
+            },
+            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+            "fill_value": fill,
+            "codecs": codecs,
+            "attributes": attrs,
+            "storage_transformers": [],
+        }
+
+    @classmethod
+    def from_zarr_json(cls, name: str, doc: dict[str, Any]) -> ArrayMeta:
+        """Read back :meth:`to_zarr_json` (and validate what reshard relies on)."""
+        try:
+            shape = tuple(doc["shape"])
+            dtype = doc["data_type"]
+            shard = tuple(doc["chunk_grid"]["configuration"]["chunk_shape"])
+            codecs = doc["codecs"]
+            if shape:
+                cfg = codecs[0]["configuration"]
+                if codecs[0]["name"] != "sharding_indexed" or cfg["index_location"] != "end":
+                    raise FormatError(f"tensor {name!r}: unsupported codecs {codecs}")
+                chunk, inner = tuple(cfg["chunk_shape"]), cfg["codecs"]
+            else:
+                chunk, inner = (), codecs
+            names = [c["name"] for c in inner]
+            rs = doc["attributes"]["reshard"]
+            layout = Layout.from_json(rs["layout"])
+        except (KeyError, IndexError, TypeError) as e:
+            raise FormatError(f"tensor {name!r}: malformed zarr.json ({e!r})") from None
+        if names[0] != "bytes" or any(n not in ("bytes", "zstd", "crc32c") for n in names):
+            raise FormatError(f"tensor {name!r}: unsupported inner codecs {names}")
+        return cls(
+            name=name,
+            shape=shape,
+            dtype=dtype,
+            shard=shard,
+            chunk=chunk,
+            layout=layout,
+            checksums="crc32c" in names,
+            compressor="zstd" if "zstd" in names else None,
+            origin=rs.get("origin"),
+        )
+
+
+def group_json(attributes: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A zarr v3 group ``zarr.json`` document."""
+    return {"zarr_format": 3, "node_type": "group", "attributes": attributes or {}}

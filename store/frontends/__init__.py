@@ -1,0 +1,1 @@
+"""Framework front ends (torch, JAX, MindSpore, OneFlow); each imports its framework lazily."""

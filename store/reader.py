@@ -1,0 +1,381 @@
+"""Reading a checkpoint: a lazy :class:`Checkpoint`, lazy tensors, explicit reads.
+
+``open`` reads the commit marker and the root ``zarr.json`` (which carries the
+consolidated metadata of every array): two small reads, no data. Indexing a
+tensor builds a lazy view; ``.read()``, ``np.asarray`` or ``load`` do the I/O,
+touching only the inner chunks that intersect what is asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from reshard.layouts import Layout
+from reshard.layouts.errors import (
+    CheckpointNotFoundError,
+    FormatError,
+    ShapeMismatchError,
+    TensorNotFoundError,
+    UncommittedCheckpointError,
+)
+
+from . import pool
+from .format import COMMIT_KEY, FORMAT_VERSION, ArrayMeta, tensor_name
+from .shard import Request, coalesce, decode_index, execute, plan_reads
+from .storage import IOStats, Storage
+from .tree import LayoutSpec, resolve_layout, unflatten
+from .writer import merge_manifests, read_manifests
+
+Region = tuple[slice, ...]
+#: Byte gap under which two chunk reads of one shard become one request.
+DEFAULT_GAP = 64 << 10
+
+
+class Checkpoint(Mapping[str, "LazyTensor"]):
+    """An open checkpoint: a mapping of dotted names to lazy tensors.
+
+    Use :func:`open` to get one.
+    """
+
+    def __init__(self, storage: Storage, arrays: dict[str, ArrayMeta], leaves: dict[str, Any],
+                 committed: bool, engine: str = "fast", gap: int = DEFAULT_GAP) -> None:
+        self.storage = storage
+        self.arrays = arrays
+        self.leaves = leaves
+        self.committed = committed
+        self.engine = engine
+        self.gap = gap
+        self._indexes: dict[str, np.ndarray] = {}
+
+    # ----------------------------------------------------------- mapping
+    def __getitem__(self, name: str) -> LazyTensor:
+        try:
+            return LazyTensor(self, self.arrays[name])
+        except KeyError:
+            close = [k for k in self.arrays if k.endswith(name.rsplit(".", 1)[-1])][:5]
+            hint = f"; similar: {close}" if close else ""
+            raise TensorNotFoundError(f"{self.url}: no tensor named {name!r}{hint}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.arrays)
+
+    def __len__(self) -> int:
+        return len(self.arrays)
+
+    @property
+    def url(self) -> str:
+        return self.storage.url
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.arrays.values())
+
+    @property
+    def stats(self) -> IOStats:
+        """Counters of every request this checkpoint made so far."""
+        return self.storage.stats
+
+    def tree(self) -> dict[str, Any]:
+        """Nested dict of lazy tensors and leaves (the state dict's shape)."""
+        return unflatten({**self.leaves, **{n: self[n] for n in self.arrays}})
+
+    def __repr__(self) -> str:
+        state = "" if self.committed else ", UNCOMMITTED"
+        return f"<reshard.Checkpoint {self.url!r}: {len(self)} tensors, {_human(self.nbytes)}{state}>"
+
+    def _repr_html_(self) -> str:
+        from .display import checkpoint_html
+
+        return checkpoint_html(self)
+
+    # ------------------------------------------------------------ reading
+    def read_regions(self, jobs: list[tuple[ArrayMeta, Region, np.ndarray]]) -> IOStats:
+        """Fill destinations from stored regions: the one I/O path of every read.
+
+        Returns the counters of this call.
+        """
+        before = self.storage.stats.snapshot()
+        if self.engine != "fast":
+            from .engines import read_with_engine
+
+            for meta, region, dest in jobs:
+                dest[...] = read_with_engine(self, meta, region)
+            self.storage.count(bytes_delivered=sum(d.nbytes for _, _, d in jobs))
+            return self.storage.stats - before
+        self._fetch_indexes(jobs)
+        work: list[tuple[Request, ArrayMeta, np.ndarray]] = []
+        for meta, region, dest in jobs:
+            reads = []
+            for shard in meta.shards_in(region):
+                key = meta.shard_key(shard)
+                reads += plan_reads(meta, region, self._indexes.get(key), shard, key, dest)
+            if not meta.shape:
+                work.append((Request(reads[0].key, 0, -1, tuple(reads)), meta, dest))
+                continue
+            work += [(req, meta, dest) for req in coalesce(reads, self.gap)]
+        pool.run_all([lambda w=w: execute(self.storage, *w) for w in work])
+        self.storage.count(bytes_delivered=sum(d.nbytes for _, _, d in jobs), tasks=len(work))
+        return self.storage.stats - before
+
+    def _fetch_indexes(self, jobs: list[tuple[ArrayMeta, Region, np.ndarray]]) -> None:
+        wanted: dict[str, ArrayMeta] = {}
+        for meta, region, _ in jobs:
+            if meta.shape:
+                for shard in meta.shards_in(region):
+                    key = meta.shard_key(shard)
+                    if key not in self._indexes:
+                        wanted[key] = meta
+
+        def fetch(key: str, meta: ArrayMeta) -> None:
+            try:
+                data = self.storage.read_suffix(key, meta.index_nbytes())
+            except FileNotFoundError:
+                raise FormatError(f"tensor {meta.name!r}: shard {key!r} is missing from {self.url}") from None
+            self._indexes[key] = decode_index(data, meta, key)
+
+        pool.run_all([lambda k=k, m=m: fetch(k, m) for k, m in wanted.items()])
+
+    def read(self, name: str, region: Region | None = None) -> np.ndarray:
+        """Read one tensor (or a region of it) into a new numpy array."""
+        meta = self[name].meta
+        region = region if region is not None else tuple(slice(0, n) for n in meta.shape)
+        dest = np.empty(tuple(r.stop - r.start for r in region), dtype=meta.np_dtype)
+        self.read_regions([(meta, region, dest)])
+        return dest
+
+    def load(self, layouts: LayoutSpec, rank: int, *, names: Any = None) -> dict[str, Any]:
+        """One rank's local pieces under target layouts (nested like the saved state).
+
+        Parameters
+        ----------
+        layouts : mapping or callable
+            ``{name: Layout}`` or ``(name, shape) -> Layout`` for the target.
+            With a mapping, only the tensors it names are loaded.
+        rank : int
+            The target rank; tensors whose target layout does not include it are
+            left out.
+        names : iterable of str, optional
+            Restrict to these tensors.
+
+        Returns
+        -------
+        dict
+            Nested dict of numpy arrays, plus the non-tensor leaves.
+        """
+        jobs = []
+        out: dict[str, Any] = dict(self.leaves)
+        for name, meta in self._select(layouts, names):
+            layout = self._target(layouts, meta)
+            if rank not in layout.ranks:
+                continue
+            region = layout.region(rank)
+            dest = np.empty(layout.local_shape(rank), dtype=meta.np_dtype)
+            jobs.append((meta, region, dest))
+            out[name] = dest
+        self.last_stats = self.read_regions(jobs)
+        return unflatten(out)
+
+    def read_all(self) -> dict[str, Any]:
+        """Every tensor whole (integration onto one host) plus the leaves."""
+        return self.load(lambda n, s: Layout.single(s), rank=0)
+
+    def _select(self, layouts: LayoutSpec, names: Any) -> list[tuple[str, ArrayMeta]]:
+        if names is None:
+            names = list(layouts) if isinstance(layouts, Mapping) else list(self.arrays)
+        return [(n, self[n].meta) for n in names]
+
+    @staticmethod
+    def _target(layouts: LayoutSpec, meta: ArrayMeta) -> Layout:
+        layout = resolve_layout(layouts, meta.name, None if isinstance(layouts, Mapping) else meta.shape)
+        if tuple(layout.shape) != meta.shape:
+            raise ShapeMismatchError(
+                f"tensor {meta.name!r}: target layout is for shape {tuple(layout.shape)}, "
+                f"the checkpoint holds {meta.shape}")
+        return layout
+
+    def export(self, path: str, format: str = "safetensors", **options: Any) -> IOStats:
+        """Stream every tensor into one file; see :func:`reshard.store.export.export`."""
+        from .export import export
+
+        return export(self, path, format=format, **options)
+
+
+class LazyTensor:
+    """A lazy view of a stored tensor (or of a region of it): no I/O until read.
+
+    Supports basic indexing (integers, slices with step 1, ``...``).
+    """
+
+    def __init__(self, ckpt: Checkpoint, meta: ArrayMeta, region: Region | None = None,
+                 keep: tuple[bool, ...] | None = None) -> None:
+        self.ckpt = ckpt
+        self.meta = meta
+        self.region = region if region is not None else tuple(slice(0, n) for n in meta.shape)
+        self.keep = keep if keep is not None else (True,) * len(meta.shape)
+
+    @property
+    def name(self) -> str:
+        return self.meta.name
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(r.stop - r.start for r, k in zip(self.region, self.keep, strict=True) if k)
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return self.meta.np_dtype
+
+    @property
+    def layout(self) -> Layout:
+        return self.meta.layout
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        return (f"<LazyTensor {self.name!r} shape={self.shape} dtype={self.meta.dtype} "
+                f"layout={self.layout.describe()}>")
+
+    def _repr_html_(self) -> str:
+        from .display import tensor_html
+
+        return tensor_html(self)
+
+    def __getitem__(self, key: Any) -> LazyTensor:
+        if not isinstance(key, tuple):
+            key = (key,)
+        dims = [d for d, k in enumerate(self.keep) if k]
+        if Ellipsis in key:
+            i = key.index(Ellipsis)
+            key = key[:i] + (slice(None),) * (len(dims) - len(key) + 1) + key[i + 1:]
+        if len(key) > len(dims):
+            raise IndexError(f"{self.name!r}: too many indices ({len(key)}) for {len(dims)} dims")
+        region, keep = list(self.region), list(self.keep)
+        for d, k in zip(dims, key, strict=False):
+            r = region[d]
+            size = r.stop - r.start
+            if isinstance(k, slice):
+                start, stop, step = k.indices(size)
+                if step != 1:
+                    raise IndexError(f"{self.name!r}: only step 1 slices are lazy; read() then slice")
+                region[d] = slice(r.start + start, r.start + max(start, stop))
+            elif isinstance(k, int | np.integer):
+                i = int(k) + size if k < 0 else int(k)
+                if not 0 <= i < size:
+                    raise IndexError(f"{self.name!r}: index {k} out of range for dim of {size}")
+                region[d], keep[d] = slice(r.start + i, r.start + i + 1), False
+            else:
+                raise IndexError(f"{self.name!r}: unsupported index {k!r}")
+        return LazyTensor(self.ckpt, self.meta, tuple(region), tuple(keep))
+
+    def read(self) -> np.ndarray:
+        """Read the view's values (only the intersecting inner chunks)."""
+        full = self.ckpt.read(self.name, self.region)
+        return full.reshape(self.shape)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = self.read()
+        return out if dtype is None else out.astype(dtype)
+
+    def to_dask(self, chunks: Any = None) -> Any:
+        """This view as a lazy ``dask.array.Array`` (chunks follow the stored inner chunks)."""
+        from .graph import to_dask
+
+        return to_dask(self, chunks)
+
+
+def open(url: str, *, allow_uncommitted: bool = False, storage_options: dict[str, Any] | None = None,
+         engine: str = "fast", gap: int = DEFAULT_GAP, retries: int = 5) -> Checkpoint:
+    """Open a checkpoint lazily: two small metadata reads, no data.
+
+    Parameters
+    ----------
+    url : str
+        Local path or fsspec URL of the checkpoint.
+    allow_uncommitted : bool
+        Open a checkpoint whose commit marker is missing, from the ranks'
+        manifests (forensics: what did get written?).
+    storage_options : dict, optional
+        fsspec options (credentials, endpoint...).
+    engine : {"fast", "tensorstore", "zarr"}
+        Which code reads chunks. All three read the same files.
+    gap : int
+        Byte gap under which reads of one shard are merged into one request.
+    retries : int
+        Retries of transiently failing remote requests.
+
+    Raises
+    ------
+    CheckpointNotFoundError
+        Nothing is stored at ``url``.
+    UncommittedCheckpointError
+        The checkpoint was never committed; the message names missing ranks.
+    """
+    if engine not in ("fast", "tensorstore", "zarr"):
+        raise ValueError(f"engine must be 'fast', 'tensorstore' or 'zarr', got {engine!r}")
+    storage = Storage(url, storage_options, retries=retries)
+    try:
+        marker = json.loads(storage.read(COMMIT_KEY))
+    except FileNotFoundError:
+        marker = None
+    if marker is None:
+        if not allow_uncommitted:
+            try:
+                read_manifests(storage)
+            except UncommittedCheckpointError as e:
+                if not storage.exists("") or "no rank has written" in str(e):
+                    raise CheckpointNotFoundError(f"no checkpoint at {storage.url}") from None
+                raise
+            raise UncommittedCheckpointError(
+                f"{storage.url}: every rank has written but the checkpoint was never committed "
+                "(call commit(), or open with allow_uncommitted=True)")
+        arrays, leaves = _from_manifests(storage)
+        return Checkpoint(storage, arrays, leaves, committed=False, engine=engine, gap=gap)
+    if marker.get("format_version", 0) > FORMAT_VERSION:
+        raise FormatError(f"{storage.url}: format version {marker['format_version']} is newer than "
+                          f"this reshard ({FORMAT_VERSION}); upgrade reshard")
+    root = json.loads(storage.read("zarr.json"))
+    try:
+        leaves = root["attributes"]["reshard"]["leaves"]
+        docs = root["consolidated_metadata"]["metadata"]
+    except (KeyError, TypeError):
+        raise FormatError(f"{storage.url}: root zarr.json lacks reshard's consolidated metadata") from None
+    arrays = {}
+    for path, doc in docs.items():
+        if doc.get("node_type") == "array":
+            name = tensor_name(path)
+            arrays[name] = ArrayMeta.from_zarr_json(name, doc)
+    return Checkpoint(storage, dict(sorted(arrays.items())), leaves, committed=True, engine=engine, gap=gap)
+
+
+def _from_manifests(storage: Storage) -> tuple[dict[str, ArrayMeta], dict[str, Any]]:
+    """Whatever the ranks that did write have described (missing ranks are skipped)."""
+    try:
+        return merge_manifests(storage.url, read_manifests(storage))
+    except UncommittedCheckpointError:
+        from .writer import _read_json, manifest_key
+
+        present = [int(n.split(".")[0]) for n in storage.list(".reshard/ranks") if n.endswith(".json")]
+        manifests = {r: _read_json(storage, manifest_key(r)) for r in present}
+        return merge_manifests(storage.url, manifests)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"

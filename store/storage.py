@@ -1,0 +1,258 @@
+"""Byte storage under one checkpoint root: any fsspec URL, with a local fast path.
+
+Everything the store reads or writes goes through :class:`Storage`, which
+counts requests and bytes (:class:`IOStats`) and retries transient failures of
+remote stores with exponential backoff. Local files are read with ``os.preadv``
+straight into the destination buffers (no intermediate copies).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from reshard.layouts.errors import CheckpointExistsError, StorageError
+
+T = TypeVar("T")
+_IOV_MAX = 512
+_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+
+@dataclass
+class IOStats:
+    """Counters of one operation (or of a storage's life).
+
+    Attributes
+    ----------
+    requests : int
+        Read requests sent to storage (one coalesced range is one request).
+    bytes_fetched : int
+        Bytes read from storage.
+    bytes_delivered : int
+        Bytes of tensor data handed to the caller.
+    writes : int
+        Objects written.
+    bytes_written : int
+        Bytes written.
+    tasks : int
+        Tasks run (thread-pool jobs or dask tasks).
+    retries : int
+        Requests repeated after a transient failure.
+    """
+
+    requests: int = 0
+    bytes_fetched: int = 0
+    bytes_delivered: int = 0
+    writes: int = 0
+    bytes_written: int = 0
+    tasks: int = 0
+    retries: int = 0
+
+    def add(self, **counts: int) -> None:
+        for k, v in counts.items():
+            setattr(self, k, getattr(self, k) + v)
+
+    def snapshot(self) -> IOStats:
+        return IOStats(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+    def __sub__(self, other: IOStats) -> IOStats:
+        return IOStats(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class Storage:
+    """Objects under one root URL.
+
+    Parameters
+    ----------
+    url : str
+        Any fsspec URL or local path (``/data/ckpt``, ``file://``, ``memory://``,
+        ``s3://bucket/ckpt``, ``gs://``, ``http(s)://`` read-only).
+    storage_options : dict, optional
+        Passed to the fsspec filesystem (credentials, endpoint...).
+    retries : int
+        Attempts after the first for a transiently failing remote request.
+    """
+
+    def __init__(
+        self, url: str, storage_options: dict[str, Any] | None = None, retries: int = 5
+    ) -> None:
+        self.url = str(url).rstrip("/")
+        self.fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        self.root = root.rstrip("/")
+        self.local = isinstance(self.fs, LocalFileSystem)
+        self.retries = retries
+        self.stats = IOStats()
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"Storage({self.url!r})"
+
+    def path(self, key: str) -> str:
+        return f"{self.root}/{key}" if key else self.root
+
+    def count(self, **counts: int) -> None:
+        with self._lock:
+            self.stats.add(**counts)
+
+    # ------------------------------------------------------------ reading
+    def read(self, key: str) -> bytes:
+        """Read a whole object (FileNotFoundError if absent)."""
+        data = self._call(key, lambda: self.fs.cat_file(self.path(key)))
+        self.count(requests=1, bytes_fetched=len(data))
+        return bytes(data)
+
+    def read_suffix(self, key: str, nbytes: int) -> bytes:
+        """Read the last ``nbytes`` of an object in one request."""
+        if self.local:
+            with open(self.path(key), "rb") as f:
+                f.seek(-nbytes, os.SEEK_END)
+                data = f.read(nbytes)
+        else:
+            data = self._call(key, lambda: self.fs.cat_file(self.path(key), start=-nbytes))
+        self.count(requests=1, bytes_fetched=len(data))
+        return bytes(data)
+
+    def read_into(self, key: str, offset: int, buffers: Sequence[memoryview]) -> None:
+        """Fill ``buffers`` (in order) from the bytes at ``offset``: one request."""
+        total = sum(b.nbytes for b in buffers)
+        if self.local:
+            fd = os.open(self.path(key), os.O_RDONLY)
+            try:
+                done, pos = 0, offset
+                for i in range(0, len(buffers), _IOV_MAX):
+                    part = buffers[i : i + _IOV_MAX]
+                    want = sum(b.nbytes for b in part)
+                    got = os.preadv(fd, part, pos)
+                    if got != want:  # short read: the object is shorter than its index says
+                        raise StorageError(f"{self.url}/{key}: short read at offset {pos}")
+                    done, pos = done + got, pos + got
+            finally:
+                os.close(fd)
+        else:
+            path = self.path(key)
+            data = self._call(key, lambda: self.fs.cat_file(path, start=offset, end=offset + total))
+            if len(data) != total:
+                raise StorageError(f"{self.url}/{key}: short read at offset {offset}")
+            view, pos = memoryview(data), 0
+            for b in buffers:
+                b[:] = view[pos : pos + b.nbytes]
+                pos += b.nbytes
+        self.count(requests=1, bytes_fetched=total)
+
+    def exists(self, key: str) -> bool:
+        return bool(self._call(key, lambda: self.fs.exists(self.path(key))))
+
+    def list(self, prefix: str) -> list[str]:
+        """Keys directly under ``prefix`` (used only for diagnostics, never to decide)."""
+        try:
+            names = self._call(prefix, lambda: self.fs.ls(self.path(prefix), detail=False))
+        except FileNotFoundError:
+            return []
+        return sorted(n.rstrip("/").rsplit("/", 1)[-1] for n in names)
+
+    # ------------------------------------------------------------ writing
+    def write(self, key: str, data: bytes | Sequence[Any]) -> None:
+        """Write (or replace) one object from bytes or a list of buffers."""
+        parts = [data] if isinstance(data, bytes | bytearray | memoryview) else list(data)
+        nbytes = sum(memoryview(p).nbytes for p in parts)
+        if self.local:
+            path = self.path(key)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                for i in range(0, len(parts), _IOV_MAX):
+                    _writev_all(fd, parts[i : i + _IOV_MAX])
+            finally:
+                os.close(fd)
+        else:
+            blob = parts[0] if len(parts) == 1 else b"".join(parts)
+            self._call(key, lambda: self.fs.pipe_file(self.path(key), bytes(blob)))
+        self.count(writes=1, bytes_written=nbytes)
+
+    def write_new(self, key: str, data: bytes) -> None:
+        """Write an object only if it does not exist yet.
+
+        Local files use ``O_EXCL``; stores with conditional writes (S3
+        ``If-None-Match``) get them through fsspec's ``mode="create"``; elsewhere
+        an existence check precedes the write (documented as best effort).
+
+        Raises
+        ------
+        CheckpointExistsError
+            If the object already exists.
+        """
+        if self.local:
+            path = self.path(key)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                raise CheckpointExistsError(f"{self.url}/{key} already exists") from None
+            try:
+                _writev_all(fd, [data])
+            finally:
+                os.close(fd)
+        else:
+            if self.exists(key):
+                raise CheckpointExistsError(f"{self.url}/{key} already exists")
+            try:
+                self._call(key, lambda: self.fs.pipe_file(self.path(key), data, mode="create"))
+            except FileExistsError:
+                raise CheckpointExistsError(f"{self.url}/{key} already exists") from None
+            except TypeError:  # filesystems without the mode argument
+                self._call(key, lambda: self.fs.pipe_file(self.path(key), data))
+        self.count(writes=1, bytes_written=len(data))
+
+    def delete(self, key: str) -> None:
+        """Remove an object or a whole prefix; absent is fine."""
+        try:
+            self._call(key, lambda: self.fs.rm(self.path(key), recursive=True))
+        except FileNotFoundError:
+            pass
+
+    # ------------------------------------------------------------ retries
+    def _call(self, key: str, fn: Callable[[], T]) -> T:
+        """Run one storage call, retrying transient failures with backoff."""
+        for attempt in range(self.retries + 1):
+            try:
+                return fn()
+            except FileNotFoundError:
+                raise
+            except _PERMANENT as e:
+                raise StorageError(f"{self.url}/{key}: {type(e).__name__}: {e}") from e
+            except (OSError, TimeoutError, ConnectionError) as e:
+                if attempt == self.retries or not _transient(e):
+                    raise StorageError(
+                        f"{self.url}/{key}: failed after {attempt + 1} attempt(s): {e}"
+                    ) from e
+                self.count(retries=1)
+                time.sleep(min(2.0, 0.05 * 2**attempt))
+        raise AssertionError("unreachable")
+
+
+def _transient(e: BaseException) -> bool:
+    if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.ENOSPC):
+        return False
+    return True
+
+
+def _writev_all(fd: int, parts: Sequence[Any]) -> None:
+    views = [memoryview(p).cast("B") for p in parts]
+    while views:
+        n = os.writev(fd, views)
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]

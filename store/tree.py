@@ -1,0 +1,116 @@
+"""State dicts <-> flat ``{dotted name: value}`` mappings.
+
+Nested mappings and dotted names address the same tensor: ``{"a": {"b": x}}``
+and ``{"a.b": x}`` both give ``"a.b"``. Arrays (anything with ``__array__``,
+``shape`` and ``dtype``) are tensors; everything else is a JSON leaf.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from reshard.layouts import Layout
+from reshard.layouts.errors import BadNameError, LayoutError, ShapeMismatchError
+
+LayoutSpec = Mapping[str, Layout] | Callable[[str, tuple[int, ...]], Layout]
+
+
+def is_tensor(value: Any) -> bool:
+    return isinstance(value, np.ndarray) or (
+        hasattr(value, "__array__") and hasattr(value, "shape") and hasattr(value, "dtype")
+    )
+
+
+def flatten(state: Mapping[str, Any], prefix: str = "") -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split a (nested) state dict into ``(tensors, leaves)``, both keyed by dotted name.
+
+    Raises
+    ------
+    BadNameError
+        For non-string keys, empty names, or a name given twice.
+    TypeError
+        For a leaf that JSON cannot hold.
+    """
+    tensors: dict[str, Any] = {}
+    leaves: dict[str, Any] = {}
+    _walk(state, prefix, tensors, leaves)
+    return tensors, leaves
+
+
+def _walk(node: Mapping[str, Any], prefix: str, tensors: dict[str, Any], leaves: dict[str, Any]) -> None:
+    for key, value in node.items():
+        if isinstance(key, int) and not isinstance(key, bool):
+            key = str(key)
+        if not isinstance(key, str) or not key:
+            raise BadNameError(f"state dict key {key!r} under {prefix or 'the root'!r} is not a name")
+        name = f"{prefix}.{key}" if prefix else key
+        if isinstance(value, Mapping):
+            _walk(value, name, tensors, leaves)
+            continue
+        if name in tensors or name in leaves:
+            raise BadNameError(f"name {name!r} is given twice (nested and dotted)")
+        if is_tensor(value):
+            tensors[name] = value
+        else:
+            leaves[name] = to_json(value, name)
+
+
+def to_json(value: Any, name: str) -> Any:
+    """A JSON-safe copy of a leaf (numpy scalars become Python numbers)."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, tuple):
+        value = list(value)
+    try:
+        json.dumps(value, allow_nan=True)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"leaf {name!r} of type {type(value).__name__} is not JSON ({e})") from None
+    return value
+
+
+def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """Nest a ``{dotted name: value}`` mapping back into dicts."""
+    out: dict[str, Any] = {}
+    for name, value in flat.items():
+        node = out
+        *parents, last = name.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise BadNameError(f"{name!r} lies under {p!r}, which is a tensor or leaf")
+        node[last] = value
+    return out
+
+
+def resolve_layout(layouts: LayoutSpec, name: str, shape: tuple[int, ...] | None) -> Layout:
+    """The layout of one tensor, from a mapping or a ``(name, shape) -> Layout`` rule."""
+    if isinstance(layouts, Mapping):
+        if name in layouts:
+            layout = layouts[name]
+        else:
+            raise LayoutError(f"no layout given for tensor {name!r}")
+    elif callable(layouts):
+        if shape is None:
+            raise LayoutError(
+                f"layouts is a rule (callable): the global shape of {name!r} is needed; "
+                "pass shapes= when writing per-rank pieces"
+            )
+        layout = layouts(name, tuple(shape))
+    else:
+        raise LayoutError(f"layouts must be a mapping or a callable, got {type(layouts).__name__}")
+    if not isinstance(layout, Layout):
+        raise LayoutError(f"layout for {name!r} is a {type(layout).__name__}, not a Layout")
+    if shape is not None and tuple(layout.shape) != tuple(shape):
+        raise ShapeMismatchError(
+            f"tensor {name!r}: layout is for shape {tuple(layout.shape)} but the tensor is {tuple(shape)}"
+        )
+    return layout
+
+
+def nbytes(shape: tuple[int, ...], dtype: Any) -> int:
+    return math.prod(shape) * np.dtype(dtype).itemsize

@@ -1,0 +1,348 @@
+"""Writing a checkpoint: per-rank writes with no communication, then one commit.
+
+Protocol (docs/format.md has the full story):
+
+1. Every rank's process calls :func:`create` with the same arguments and
+   :meth:`CheckpointWriter.write` with its own rank. A rank writes the shard
+   objects of the blocks it holds as replica 0, then its manifest
+   ``.reshard/ranks/<rank>.json`` (what it holds, with dtypes and layouts).
+2. Once all have written, any one process calls :meth:`CheckpointWriter.commit`
+   (or :func:`commit` with just the URL). It takes the commit lock with a
+   create-if-absent write, checks every expected rank's manifest is there and
+   that they agree, writes every array's ``zarr.json``, the root ``zarr.json``
+   with consolidated metadata, and finally the commit marker.
+
+Nothing is renamed (object stores cannot) and readers trust only the marker.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from reshard.layouts import Layout
+from reshard.layouts.errors import (
+    CheckpointExistsError,
+    CommitConflictError,
+    DTypeMismatchError,
+    FormatError,
+    LayoutError,
+    RankError,
+    ShapeMismatchError,
+    UncommittedCheckpointError,
+)
+
+from . import pool
+from .dtypes import dtype_name
+from .format import (
+    COMMIT_KEY,
+    DEFAULT_CHUNK_BYTES,
+    FORMAT_VERSION,
+    LOCK_KEY,
+    META_DIR,
+    ArrayMeta,
+    group_json,
+    inner_chunk_shape,
+    shard_shape,
+    tensor_path,
+)
+from .shard import encode_shard
+from .storage import Storage
+from .tree import LayoutSpec, flatten, resolve_layout
+
+
+def manifest_key(rank: int) -> str:
+    return f"{META_DIR}/ranks/{rank}.json"
+
+
+class CheckpointWriter:
+    """Writes one checkpoint; see :func:`create`."""
+
+    def __init__(
+        self,
+        url: str,
+        layouts: LayoutSpec,
+        *,
+        shapes: Mapping[str, tuple[int, ...]] | None = None,
+        overwrite: bool = False,
+        compression: str | None = None,
+        checksums: bool = True,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        save_id: str | None = None,
+        storage_options: dict[str, Any] | None = None,
+        engine: str = "fast",
+    ) -> None:
+        if engine not in ("fast", "tensorstore"):
+            raise ValueError(f"writer engine must be 'fast' or 'tensorstore', got {engine!r}")
+        self.engine = engine
+        if compression not in (None, "zstd"):
+            raise ValueError(f"compression must be None or 'zstd', got {compression!r}")
+        self.storage = Storage(url, storage_options)
+        self.layouts = layouts
+        self.shapes = dict(shapes or {})
+        self.compression = compression
+        self.checksums = checksums
+        self.chunk_bytes = int(chunk_bytes)
+        self.save_id = save_id
+        if self.storage.exists(COMMIT_KEY):
+            if not overwrite:
+                raise CheckpointExistsError(
+                    f"{self.storage.url} already holds a committed checkpoint; "
+                    "pass overwrite=True to replace it"
+                )
+            # Uncommit first: from here on readers refuse it, never see it half-replaced.
+            self.storage.delete(COMMIT_KEY)
+            self.storage.delete(LOCK_KEY)
+
+    def __repr__(self) -> str:
+        return f"CheckpointWriter({self.storage.url!r})"
+
+    @property
+    def url(self) -> str:
+        return self.storage.url
+
+    def layout(self, name: str, shape: tuple[int, ...] | None = None) -> Layout:
+        """The saving layout of tensor ``name``."""
+        return resolve_layout(self.layouts, name, self.shapes.get(name, shape))
+
+    def meta(self, name: str, layout: Layout, dtype: str) -> ArrayMeta:
+        """The array record a tensor will be stored with."""
+        shard = shard_shape(layout)
+        itemsize = np.dtype(_np(dtype)).itemsize
+        return ArrayMeta(
+            name=name,
+            shape=tuple(layout.shape),
+            dtype=dtype,
+            shard=shard,
+            chunk=inner_chunk_shape(shard, itemsize, self.chunk_bytes),
+            layout=layout,
+            checksums=self.checksums,
+            compressor=self.compression,
+            origin=layout.origin,
+        )
+
+    # -------------------------------------------------------------- write
+    def write(self, rank: int, state: Mapping[str, Any]) -> None:
+        """Write one rank's local pieces (and its non-tensor leaves).
+
+        Parameters
+        ----------
+        rank : int
+            The global rank whose pieces ``state`` holds.
+        state : mapping
+            Nested or dotted ``{name: local array or JSON leaf}``; each array has
+            the shape ``layout.local_shape(rank)``.
+
+        Everything is validated before the first byte is written.
+        """
+        tensors, leaves = flatten(state)
+        metas: dict[str, ArrayMeta] = {}
+        for name, value in tensors.items():
+            layout = self.layout(name)
+            if rank not in layout.ranks:
+                raise RankError(f"tensor {name!r}: rank {rank} is not among the layout's ranks")
+            arr = np.asarray(value)
+            want = layout.local_shape(rank)
+            if tuple(arr.shape) != tuple(want):
+                raise ShapeMismatchError(
+                    f"tensor {name!r} on rank {rank}: local shape {tuple(arr.shape)}, "
+                    f"layout {layout.describe()} expects {tuple(want)}"
+                )
+            metas[name] = self.meta(name, layout, dtype_name(arr.dtype))
+            tensors[name] = arr
+        if isinstance(self.layouts, Mapping):
+            missing = [n for n, lay in self.layouts.items() if rank in lay.ranks and n not in tensors]
+            if missing:
+                raise LayoutError(f"rank {rank} holds {missing} by its layouts but did not pass them")
+        jobs = []
+        for name, meta in metas.items():
+            if meta.layout.replica_id(rank) == 0:
+                jobs += self._shard_jobs(meta, meta.layout.region(rank), tensors[name])
+        pool.run_all(jobs)
+        self.storage.write(manifest_key(rank), json.dumps(self._manifest(rank, metas, leaves)).encode())
+
+    def _shard_jobs(self, meta: ArrayMeta, region: tuple[slice, ...], local: np.ndarray) -> list[Any]:
+        if self.engine == "tensorstore" and meta.shape:
+            from .engines import write_with_tensorstore
+
+            return [lambda: write_with_tensorstore(self.storage, meta, region, local)]
+        jobs = []
+        for idx in meta.shards_in(region):
+            sreg = meta.shard_region(idx)
+            sub = local[tuple(slice(s.start - r.start, s.stop - r.start) for s, r in zip(sreg, region, strict=True))]
+            key = meta.shard_key(idx)
+            jobs.append(lambda key=key, sub=sub: self.storage.write(key, encode_shard(sub, meta)))
+        return jobs
+
+    def _manifest(self, rank: int, metas: dict[str, ArrayMeta], leaves: dict[str, Any]) -> dict[str, Any]:
+        expected = sorted(set().union(*(m.layout.ranks for m in metas.values()), {rank}))
+        return {
+            "format_version": FORMAT_VERSION,
+            "rank": rank,
+            "save_id": self.save_id,
+            "expected_ranks": expected,
+            "tensors": {
+                n: {
+                    "dtype": m.dtype,
+                    "chunk": list(m.chunk),
+                    "checksums": m.checksums,
+                    "compressor": m.compressor,
+                    "layout": m.layout.to_json(),
+                }
+                for n, m in metas.items()
+            },
+            "leaves": leaves,
+        }
+
+    # ------------------------------------------------------------- commit
+    def commit(self) -> None:
+        """Make the checkpoint visible; see :func:`commit`."""
+        commit(self.storage, save_id=self.save_id)
+
+
+def commit(url: str | Storage, *, save_id: str | None = None,
+           storage_options: dict[str, Any] | None = None) -> None:
+    """Commit a checkpoint once every rank has written.
+
+    Raises
+    ------
+    UncommittedCheckpointError
+        If a rank's manifest is missing; the message names the ranks and the
+        tensors left without data. Nothing is committed; retry after they write.
+    CommitConflictError
+        If another process holds the commit lock or committed first.
+    """
+    storage = url if isinstance(url, Storage) else Storage(url, storage_options)
+    try:
+        storage.write_new(LOCK_KEY, json.dumps({"time": time.time()}).encode())
+    except CheckpointExistsError:
+        raise CommitConflictError(
+            f"{storage.url}: another writer is committing or has committed this checkpoint"
+        ) from None
+    try:
+        manifests = read_manifests(storage, save_id)
+        metas, leaves = merge_manifests(storage.url, manifests)
+        jobs = [lambda m=m: storage.write(f"{m.path}/zarr.json", json.dumps(m.to_zarr_json()).encode())
+                for m in metas.values()]
+        groups = sorted({"/".join(m.path.split("/")[:i]) for m in metas.values()
+                         for i in range(1, m.path.count("/") + 1)})
+        jobs += [lambda g=g: storage.write(f"{g}/zarr.json", json.dumps(group_json()).encode())
+                 for g in groups]
+        pool.run_all(jobs)
+        consolidated = {m.path: m.to_zarr_json() for m in metas.values()}
+        consolidated.update({g: group_json() for g in groups})
+        root = group_json({"reshard": {"format_version": FORMAT_VERSION, "leaves": leaves}})
+        root["consolidated_metadata"] = {"kind": "inline", "must_understand": False, "metadata": consolidated}
+        storage.write("zarr.json", json.dumps(root).encode())
+        marker = {"format_version": FORMAT_VERSION, "time": time.time(), "save_id": save_id,
+                  "tensors": len(metas), "ranks": sorted(manifests)}
+        storage.write(COMMIT_KEY, json.dumps(marker).encode())
+    except BaseException:
+        storage.delete(LOCK_KEY)
+        raise
+
+
+def read_manifests(storage: Storage, save_id: str | None = None) -> dict[int, dict[str, Any]]:
+    """Read every expected rank's manifest (expected ranks come from any manifest found)."""
+    present = [int(n.split(".")[0]) for n in storage.list(f"{META_DIR}/ranks") if n.endswith(".json")]
+    if not present:
+        raise UncommittedCheckpointError(f"{storage.url}: no rank has written anything yet")
+    first = _read_json(storage, manifest_key(present[0]))
+    expected = first["expected_ranks"]
+    manifests: dict[int, dict[str, Any]] = {}
+
+    def load(r: int) -> None:
+        try:
+            m = _read_json(storage, manifest_key(r))
+        except FileNotFoundError:
+            return
+        if save_id is not None and m.get("save_id") != save_id:
+            return  # a stale manifest of an earlier save
+        manifests[r] = m
+
+    pool.run_all([lambda r=r: load(r) for r in expected])
+    missing = sorted(set(expected) - set(manifests))
+    if missing:
+        raise UncommittedCheckpointError(describe_missing(storage.url, missing, manifests))
+    return manifests
+
+
+def describe_missing(url: str, missing: list[int], manifests: dict[int, dict[str, Any]]) -> str:
+    """A message naming the ranks that did not write and the tensors they hold."""
+    lost: set[str] = set()
+    for m in manifests.values():
+        for name, t in m["tensors"].items():
+            layout = Layout.from_json(t["layout"])
+            if any(layout.replica_id(r) == 0 and layout.local_shape(r) and
+                   all(layout.local_shape(r)) for r in missing if r in layout.ranks):
+                lost.add(name)
+    names = sorted(lost)
+    shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+    return (f"{url}: checkpoint is not committed: ranks {missing} have not written"
+            + (f"; tensors without their data: {shown}" if names else ""))
+
+
+def merge_manifests(url: str, manifests: dict[int, dict[str, Any]]) -> tuple[dict[str, ArrayMeta], dict[str, Any]]:
+    """Check that the ranks agree and build each tensor's array record."""
+    metas: dict[str, ArrayMeta] = {}
+    seen: dict[str, tuple[int, dict[str, Any]]] = {}
+    leaves: dict[str, Any] = {}
+    for rank in sorted(manifests, reverse=True):  # the lowest rank's leaves win
+        leaves.update(manifests[rank]["leaves"])
+    for rank in sorted(manifests):
+        for name, t in manifests[rank]["tensors"].items():
+            if name in seen:
+                other, t0 = seen[name]
+                if t0["dtype"] != t["dtype"]:
+                    raise DTypeMismatchError(
+                        f"{url}: tensor {name!r} is {t0['dtype']} on rank {other} but {t['dtype']} on rank {rank}")
+                if t0 != t:
+                    raise FormatError(f"{url}: ranks {other} and {rank} disagree on the layout of {name!r}")
+                continue
+            seen[name] = (rank, t)
+            layout = Layout.from_json(t["layout"])
+            shard = shard_shape(layout)
+            metas[name] = ArrayMeta(name=name, shape=tuple(layout.shape), dtype=t["dtype"], shard=shard,
+                                    chunk=tuple(t["chunk"]), layout=layout, checksums=t["checksums"],
+                                    compressor=t["compressor"], origin=layout.origin)
+            tensor_path(name)  # validates the name once more
+    return metas, leaves
+
+
+def _read_json(storage: Storage, key: str) -> Any:
+    try:
+        return json.loads(storage.read(key))
+    except json.JSONDecodeError as e:
+        raise FormatError(f"{storage.url}/{key} is not valid JSON: {e}") from None
+
+
+def _np(dtype: str) -> Any:
+    from .dtypes import numpy_dtype
+
+    return numpy_dtype(dtype)
+
+
+def create(url: str, layouts: LayoutSpec, **options: Any) -> CheckpointWriter:
+    """Start writing a checkpoint at ``url``.
+
+    Every rank's process calls this with the same arguments (no rank goes
+    first), then ``writer.write(rank, local_state_dict)``; one process calls
+    ``writer.commit()`` once all have written.
+
+    Parameters
+    ----------
+    url : str
+        Where the checkpoint goes (local path or fsspec URL).
+    layouts : mapping or callable
+        ``{name: Layout}`` or a rule ``(name, global_shape) -> Layout``.
+    **options
+        ``shapes`` (needed with a rule), ``overwrite``, ``compression``
+        (None or ``"zstd"``), ``checksums``, ``chunk_bytes``, ``save_id``,
+        ``storage_options``, ``engine`` (``"fast"`` or ``"tensorstore"``):
+        see :class:`CheckpointWriter`.
+    """
+    return CheckpointWriter(url, layouts, **options)
