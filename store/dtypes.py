@@ -14,7 +14,6 @@ from typing import Any, ClassVar
 
 import ml_dtypes
 import numpy as np
-
 from reshard.layouts.errors import DTypeMismatchError
 
 _BY_NAME: dict[str, np.dtype[Any]] = {

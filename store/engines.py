@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-
 from reshard.layouts.errors import FormatError
 
 from .format import ArrayMeta

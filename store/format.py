@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
 from reshard.layouts import Layout
 from reshard.layouts.errors import BadNameError, FormatError
 
@@ -24,6 +23,9 @@ from .dtypes import numpy_dtype
 FORMAT_VERSION = 1
 #: Default target size of one inner chunk, the unit of reading.
 DEFAULT_CHUNK_BYTES = 1 << 20
+#: Inner chunks aim at 1/16 of a shard (so another layout's boundary wastes little),
+#: but not below this size, nor above the chunk_bytes target.
+MIN_CHUNK_BYTES = 64 << 10
 META_DIR = ".reshard"
 COMMIT_KEY = f"{META_DIR}/commit.json"
 LOCK_KEY = f"{META_DIR}/commit.lock"

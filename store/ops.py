@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-
 from reshard.layouts import Layout
 
 from . import pool
@@ -48,7 +47,7 @@ def save(state: Mapping[str, Any], url: str, layouts: LayoutSpec | None = None, 
         local: dict[str, Any] = dict(leaves)
         for name, lay in resolved.items():
             if rank in lay.ranks:
-                local[name] = np.asarray(tensors[name])[lay.region(rank)]
+                local[name] = np.asarray(tensors[name])[(*lay.region(rank), ...)]
         writer.write(rank, local)
     writer.commit()
     return writer

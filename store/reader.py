@@ -14,7 +14,6 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
-
 from reshard.layouts import Layout
 from reshard.layouts.errors import (
     CheckpointNotFoundError,

@@ -18,7 +18,6 @@ from typing import Any
 
 import crc32c as _crc
 import numpy as np
-
 from reshard.layouts.errors import ChecksumError, FormatError
 
 from .format import MISSING, ArrayMeta

@@ -18,7 +18,6 @@ from typing import Any, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
-
 from reshard.layouts.errors import CheckpointExistsError, StorageError
 
 T = TypeVar("T")

@@ -13,7 +13,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
-
 from reshard.layouts import Layout
 from reshard.layouts.errors import BadNameError, LayoutError, ShapeMismatchError
 
@@ -22,12 +21,16 @@ LayoutSpec = Mapping[str, Layout] | Callable[[str, tuple[int, ...]], Layout]
 
 def is_tensor(value: Any) -> bool:
     return isinstance(value, np.ndarray) or (
-        hasattr(value, "__array__") and hasattr(value, "shape") and hasattr(value, "dtype")
+        not isinstance(value, np.generic)
+        and hasattr(value, "__array__") and hasattr(value, "shape") and hasattr(value, "dtype")
     )
 
 
-def flatten(state: Mapping[str, Any], prefix: str = "") -> tuple[dict[str, Any], dict[str, Any]]:
+def flatten(state: Mapping[str, Any], tensor_names: Any = ()) -> tuple[dict[str, Any], dict[str, Any]]:
     """Split a (nested) state dict into ``(tensors, leaves)``, both keyed by dotted name.
+
+    A numpy scalar is a leaf unless its name is in ``tensor_names`` (a 0-d
+    tensor's piece, e.g. ``arr[()]``).
 
     Raises
     ------
@@ -38,24 +41,27 @@ def flatten(state: Mapping[str, Any], prefix: str = "") -> tuple[dict[str, Any],
     """
     tensors: dict[str, Any] = {}
     leaves: dict[str, Any] = {}
-    _walk(state, prefix, tensors, leaves)
+    _walk(state, "", tensors, leaves, tensor_names)
     return tensors, leaves
 
 
-def _walk(node: Mapping[str, Any], prefix: str, tensors: dict[str, Any], leaves: dict[str, Any]) -> None:
+def _walk(node: Mapping[str, Any], prefix: str, tensors: dict[str, Any], leaves: dict[str, Any],
+          tensor_names: Any) -> None:
     for key, value in node.items():
         if isinstance(key, int) and not isinstance(key, bool):
             key = str(key)
         if not isinstance(key, str) or not key:
-            raise BadNameError(f"state dict key {key!r} under {prefix or 'the root'!r} is not a name")
+            raise BadNameError(
+                f"state dict key {key!r} under {prefix or 'the root'!r} is empty or not a string"
+            )
         name = f"{prefix}.{key}" if prefix else key
         if isinstance(value, Mapping):
-            _walk(value, name, tensors, leaves)
+            _walk(value, name, tensors, leaves, tensor_names)
             continue
         if name in tensors or name in leaves:
             raise BadNameError(f"name {name!r} is given twice (nested and dotted)")
-        if is_tensor(value):
-            tensors[name] = value
+        if is_tensor(value) or (isinstance(value, np.generic) and name in tensor_names):
+            tensors[name] = np.asarray(value) if isinstance(value, np.generic) else value
         else:
             leaves[name] = to_json(value, name)
 

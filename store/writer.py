@@ -18,12 +18,12 @@ Nothing is renamed (object stores cannot) and readers trust only the marker.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-
 from reshard.layouts import Layout
 from reshard.layouts.errors import (
     CheckpointExistsError,
@@ -44,6 +44,7 @@ from .format import (
     FORMAT_VERSION,
     LOCK_KEY,
     META_DIR,
+    MIN_CHUNK_BYTES,
     ArrayMeta,
     group_json,
     inner_chunk_shape,
@@ -113,12 +114,13 @@ class CheckpointWriter:
         """The array record a tensor will be stored with."""
         shard = shard_shape(layout)
         itemsize = np.dtype(_np(dtype)).itemsize
+        target = min(self.chunk_bytes, max(MIN_CHUNK_BYTES, math.prod(shard) * itemsize // 16))
         return ArrayMeta(
             name=name,
             shape=tuple(layout.shape),
             dtype=dtype,
             shard=shard,
-            chunk=inner_chunk_shape(shard, itemsize, self.chunk_bytes),
+            chunk=inner_chunk_shape(shard, itemsize, target),
             layout=layout,
             checksums=self.checksums,
             compressor=self.compression,
@@ -139,7 +141,7 @@ class CheckpointWriter:
 
         Everything is validated before the first byte is written.
         """
-        tensors, leaves = flatten(state)
+        tensors, leaves = flatten(state, self.layouts if isinstance(self.layouts, Mapping) else self.shapes)
         metas: dict[str, ArrayMeta] = {}
         for name, value in tensors.items():
             layout = self.layout(name)
@@ -173,7 +175,8 @@ class CheckpointWriter:
         jobs = []
         for idx in meta.shards_in(region):
             sreg = meta.shard_region(idx)
-            sub = local[tuple(slice(s.start - r.start, s.stop - r.start) for s, r in zip(sreg, region, strict=True))]
+            sub = local[tuple(slice(s.start - r.start, s.stop - r.start) for s, r in zip(sreg, region, strict=True))
+                        + (...,)]
             key = meta.shard_key(idx)
             jobs.append(lambda key=key, sub=sub: self.storage.write(key, encode_shard(sub, meta)))
         return jobs

@@ -1,0 +1,133 @@
+"""Per-rank writers in real processes, the commit protocol, and what it refuses."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import reshard.store as rs
+from reshard.layouts import Layout
+
+SHAPES = {"model.w": (64, 32), "model.b": (32,), "opt.m": (64, 32)}
+
+
+def layouts() -> dict[str, Layout]:
+    return {
+        "model.w": Layout.from_mindspore([2, 2], [1, 0], SHAPES["model.w"]),
+        "model.b": Layout.from_mindspore([2, 2], [-1], SHAPES["model.b"]),  # replicated on all 4
+        "opt.m": Layout.from_mindspore([2, 2], [-1, 0], SHAPES["opt.m"], opt_shard_size=-1),
+    }
+
+
+def full_state() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(1)
+    return {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
+
+
+def rank_main(url: str, rank: int, die_before_manifest: bool) -> None:
+    """One rank's process: create with the same arguments as everyone, write its own pieces."""
+    full = full_state()
+    lay = layouts()
+    writer = rs.create(url, lay)
+    local = {n: full[n][lay[n].region(rank)] for n in lay}
+    local["step"] = 5
+    if die_before_manifest:
+        os._exit(1)  # a crash: nothing of this rank is recorded
+    writer.write(rank, local)
+
+
+def run_ranks(url: str, ranks: list[int], die: int | None = None) -> None:
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=rank_main, args=(url, r, r == die)) for r in ranks]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode is not None
+
+
+def test_concurrent_process_writers_then_commit(tmp_path):
+    url = str(tmp_path / "ck")
+    run_ranks(url, [0, 1, 2, 3])
+    # the ranks wrote disjoint shard objects: count the writes per object via the manifests
+    rs.commit(url)
+    ckpt = rs.open(url)
+    full = full_state()
+    for name in SHAPES:
+        np.testing.assert_array_equal(ckpt[name].read(), full[name])
+    assert ckpt.leaves == {"step": 5}
+    shards = sorted(p.relative_to(tmp_path / "ck").as_posix() for p in (tmp_path / "ck").rglob("c/*/*"))
+    # w: 4 blocks; b: replicated, written once; m: opt-sharded into 4 distinct pieces
+    assert len([s for s in shards if s.startswith("model/w/")]) == 4
+    assert len([s for s in shards if s.startswith("opt/m/")]) == 4
+    assert len(list((tmp_path / "ck" / "model" / "b").rglob("c/*"))) == 1
+
+
+def test_killed_rank_is_refused_and_sibling_untouched(tmp_path):
+    good = str(tmp_path / "step1")
+    rs.save(full_state(), good, layouts())
+    before = {p: p.read_bytes() for p in Path(good).rglob("*") if p.is_file()}
+
+    bad = str(tmp_path / "step2")
+    run_ranks(bad, [0, 1, 2, 3], die=3)
+    with pytest.raises(rs.UncommittedCheckpointError, match=r"ranks \[3\]"):
+        rs.commit(bad)
+    with pytest.raises(rs.UncommittedCheckpointError, match=r"ranks \[3\] have not written.*model\.w"):
+        rs.open(bad)
+    # forensics: what did get written is readable
+    partial = rs.open(bad, allow_uncommitted=True)
+    assert not partial.committed and "model.w" in partial
+    # the earlier checkpoint is byte-for-byte untouched and still opens
+    assert {p: p.read_bytes() for p in Path(good).rglob("*") if p.is_file()} == before
+    np.testing.assert_array_equal(rs.open(good)["model.w"].read(), full_state()["model.w"])
+
+
+def test_commit_race_one_wins(tmp_path):
+    url = str(tmp_path / "ck")
+    writer = rs.create(url, layouts())
+    full = full_state()
+    for r in range(4):
+        writer.write(r, {n: full[n][lay.region(r)] for n, lay in layouts().items()})
+    writer.commit()
+    with pytest.raises(rs.CommitConflictError):
+        rs.commit(url)
+    assert rs.open(url).committed
+
+
+def test_uncommitted_and_missing_are_refused(tmp_path):
+    with pytest.raises(rs.CheckpointNotFoundError):
+        rs.open(tmp_path / "nothing")
+    url = str(tmp_path / "ck")
+    writer = rs.create(url, layouts())
+    full = full_state()
+    for r in range(4):
+        writer.write(r, {n: full[n][lay.region(r)] for n, lay in layouts().items()})
+    with pytest.raises(rs.UncommittedCheckpointError, match="never committed"):
+        rs.open(url)
+
+
+def test_overwrite_rules(tmp_path):
+    url = str(tmp_path / "ck")
+    rs.save({"x": np.zeros(4)}, url)
+    with pytest.raises(rs.CheckpointExistsError, match="overwrite=True"):
+        rs.save({"x": np.ones(4)}, url)
+    np.testing.assert_array_equal(rs.open(url)["x"].read(), np.zeros(4))
+    rs.save({"x": np.ones(4)}, url, overwrite=True)
+    np.testing.assert_array_equal(rs.open(url)["x"].read(), np.ones(4))
+    marker = json.loads((tmp_path / "ck" / ".reshard" / "commit.json").read_text())
+    assert marker["tensors"] == 1
+
+
+def test_save_id_rejects_stale_manifests(tmp_path):
+    """A rank that crashed on a re-save must not be covered by its manifest from the last save."""
+    url = str(tmp_path / "ck")
+    lay = {"x": Layout.from_dtensor((2,), ["S(0)"], (4,))}
+    rs.save({"x": np.arange(4.0)}, url, lay, save_id="100")
+    writer = rs.create(url, lay, overwrite=True, save_id="200")
+    writer.write(0, {"x": np.array([9.0, 9.0])})  # rank 1 never writes this time
+    with pytest.raises(rs.UncommittedCheckpointError, match=r"ranks \[1\]"):
+        writer.commit()
