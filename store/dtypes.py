@@ -10,7 +10,7 @@ so TensorStore reads the files natively. numpy gets these types from
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeGuard
 
 import ml_dtypes
 import numpy as np
@@ -75,13 +75,13 @@ def register_zarr_dtypes() -> None:
         dt = _BY_NAME[name]
 
         @dataclass(frozen=True, kw_only=True)
-        class MLFloat(BaseFloat):  # type: ignore[type-arg]
+        class MLFloat(BaseFloat):
             dtype_cls = type(dt)
-            _zarr_v3_name: ClassVar[str] = name  # type: ignore[misc]
+            _zarr_v3_name: ClassVar[str] = name
             _zarr_v2_names: ClassVar[tuple[str, ...]] = ()
 
             @classmethod
-            def _check_native_dtype(cls, dtype: Any) -> bool:
+            def _check_native_dtype(cls, dtype: Any) -> TypeGuard[Any]:
                 return bool(np.dtype(dtype) == dt)
 
             def to_native_dtype(self) -> Any:

@@ -8,6 +8,7 @@ touching only the inner chunks that intersect what is asked for.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Iterator, Mapping
@@ -117,7 +118,7 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
                 work.append((Request(reads[0].key, 0, -1, tuple(reads)), meta, dest))
                 continue
             work += [(req, meta, dest) for req in coalesce(reads, self.gap)]
-        pool.run_all([lambda w=w: execute(self.storage, *w) for w in work])
+        pool.run_all([functools.partial(execute, self.storage, *w) for w in work])
         self.storage.count(bytes_delivered=sum(d.nbytes for _, _, d in jobs), tasks=len(work))
         return self.storage.stats - before
 
@@ -137,7 +138,7 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
                 raise FormatError(f"tensor {meta.name!r}: shard {key!r} is missing from {self.url}") from None
             self._indexes[key] = decode_index(data, meta, key)
 
-        pool.run_all([lambda k=k, m=m: fetch(k, m) for k, m in wanted.items()])
+        pool.run_all([functools.partial(fetch, k, m) for k, m in wanted.items()])
 
     def read(self, name: str, region: Region | None = None) -> np.ndarray:
         """Read one tensor (or a region of it) into a new numpy array."""

@@ -31,7 +31,8 @@ def crc32c(data: Any) -> int:
 
 
 def _bytes_view(a: np.ndarray) -> memoryview:
-    return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+    flat: Any = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    return memoryview(flat)
 
 
 def _zstd() -> Any:
@@ -192,8 +193,7 @@ def coalesce(reads: Iterable[ChunkRead], gap: int, max_bytes: int = 64 << 20) ->
 def execute(storage: Storage, req: Request, meta: ArrayMeta, dest: np.ndarray) -> None:
     """Run one request: fetch its bytes, check crc32c, place every chunk."""
     if req.stop < 0:  # 0-d tensor: read the whole object
-        data = storage.read(req.key)
-        _place(memoryview(data), req.reads[0], meta, dest)
+        _place(memoryview(storage.read(req.key)), req.reads[0], meta, dest)
         return
     buffers: list[memoryview] = []
     temps: list[tuple[ChunkRead, memoryview, memoryview]] = []

@@ -17,6 +17,7 @@ Nothing is renamed (object stores cannot) and readers trust only the marker.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -267,7 +268,7 @@ def read_manifests(storage: Storage, save_id: str | None = None) -> dict[int, di
             return  # a stale manifest of an earlier save
         manifests[r] = m
 
-    pool.run_all([lambda r=r: load(r) for r in expected])
+    pool.run_all([functools.partial(load, r) for r in expected])
     missing = sorted(set(expected) - set(manifests))
     if missing:
         raise UncommittedCheckpointError(describe_missing(storage.url, missing, manifests))
