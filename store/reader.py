@@ -28,7 +28,7 @@ from . import pool
 from .format import COMMIT_KEY, FORMAT_VERSION, ArrayMeta, tensor_name
 from .shard import Request, coalesce, decode_index, execute, plan_reads
 from .storage import IOStats, Storage
-from .tree import LayoutSpec, resolve_layout, unflatten
+from .tree import LayoutSpec, flatten, resolve_layout, unflatten
 from .writer import merge_manifests, read_manifests
 
 Region = tuple[slice, ...]
@@ -118,7 +118,7 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
                 work.append((Request(reads[0].key, 0, -1, tuple(reads)), meta, dest))
                 continue
             work += [(req, meta, dest) for req in coalesce(reads, self.gap)]
-        pool.run_all([functools.partial(execute, self.storage, *w) for w in work])
+        pool.run_all([functools.partial(execute, self.storage, *w) for w in work], self.storage.local)
         self.storage.count(bytes_delivered=sum(d.nbytes for _, _, d in jobs), tasks=len(work))
         return self.storage.stats - before
 
@@ -138,7 +138,7 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
                 raise FormatError(f"tensor {meta.name!r}: shard {key!r} is missing from {self.url}") from None
             self._indexes[key] = decode_index(data, meta, key)
 
-        pool.run_all([functools.partial(fetch, k, m) for k, m in wanted.items()])
+        pool.run_all([functools.partial(fetch, k, m) for k, m in wanted.items()], self.storage.local)
 
     def read(self, name: str, region: Region | None = None) -> np.ndarray:
         """Read one tensor (or a region of it) into a new numpy array."""
@@ -148,7 +148,8 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
         self.read_regions([(meta, region, dest)])
         return dest
 
-    def load(self, layouts: LayoutSpec, rank: int, *, names: Any = None) -> dict[str, Any]:
+    def load(self, layouts: LayoutSpec, rank: int, *, names: Any = None,
+             out: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """One rank's local pieces under target layouts (nested like the saved state).
 
         Parameters
@@ -161,24 +162,33 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
             left out.
         names : iterable of str, optional
             Restrict to these tensors.
+        out : mapping, optional
+            Destination arrays to fill in place (nested or dotted names, each of
+            the rank's local shape and the stored dtype, C-contiguous), e.g. the
+            buffers of already allocated framework tensors: no new memory.
 
         Returns
         -------
         dict
             Nested dict of numpy arrays, plus the non-tensor leaves.
         """
+        given = flatten(out, self.arrays)[0] if out is not None else {}
         jobs = []
-        out: dict[str, Any] = dict(self.leaves)
+        result: dict[str, Any] = dict(self.leaves)
         for name, meta in self._select(layouts, names):
             layout = self._target(layouts, meta)
             if rank not in layout.ranks:
                 continue
-            region = layout.region(rank)
-            dest = np.empty(layout.local_shape(rank), dtype=meta.np_dtype)
-            jobs.append((meta, region, dest))
-            out[name] = dest
+            shape = layout.local_shape(rank)
+            dest = given[name] if name in given else np.empty(shape, dtype=meta.np_dtype)
+            if dest.shape != shape or dest.dtype != meta.np_dtype:
+                raise ShapeMismatchError(
+                    f"tensor {meta.name!r}: out buffer is {dest.dtype}{list(dest.shape)}, "
+                    f"rank {rank} needs {meta.dtype}{list(shape)}")
+            jobs.append((meta, layout.region(rank), dest))
+            result[name] = dest
         self.last_stats = self.read_regions(jobs)
-        return unflatten(out)
+        return unflatten(result)
 
     def read_all(self) -> dict[str, Any]:
         """Every tensor whole (integration onto one host) plus the leaves."""

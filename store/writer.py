@@ -165,7 +165,7 @@ class CheckpointWriter:
         for name, meta in metas.items():
             if meta.layout.replica_id(rank) == 0:
                 jobs += self._shard_jobs(meta, meta.layout.region(rank), tensors[name])
-        pool.run_all(jobs)
+        pool.run_all(jobs, self.storage.local)
         self.storage.write(manifest_key(rank), json.dumps(self._manifest(rank, metas, leaves)).encode())
 
     def _shard_jobs(self, meta: ArrayMeta, region: tuple[slice, ...], local: np.ndarray) -> list[Any]:
@@ -236,7 +236,7 @@ def commit(url: str | Storage, *, save_id: str | None = None,
                          for i in range(1, m.path.count("/") + 1)})
         jobs += [lambda g=g: storage.write(f"{g}/zarr.json", json.dumps(group_json()).encode())
                  for g in groups]
-        pool.run_all(jobs)
+        pool.run_all(jobs, storage.local)
         consolidated = {m.path: m.to_zarr_json() for m in metas.values()}
         consolidated.update({g: group_json() for g in groups})
         root = group_json({"reshard": {"format_version": FORMAT_VERSION, "leaves": leaves}})
@@ -268,7 +268,7 @@ def read_manifests(storage: Storage, save_id: str | None = None) -> dict[int, di
             return  # a stale manifest of an earlier save
         manifests[r] = m
 
-    pool.run_all([functools.partial(load, r) for r in expected])
+    pool.run_all([functools.partial(load, r) for r in expected], storage.local)
     missing = sorted(set(expected) - set(manifests))
     if missing:
         raise UncommittedCheckpointError(describe_missing(storage.url, missing, manifests))

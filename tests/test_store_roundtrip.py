@@ -155,3 +155,16 @@ def test_many_ranks_small_tensors(tmp_path):
     tgt = Layout.from_dtensor((56,), ["S(0)"], shape)
     for rank in (0, 17, 55):
         np.testing.assert_array_equal(ckpt.load({"t": tgt}, rank)["t"], arr[tgt.region(rank)])
+
+
+def test_load_into_given_buffers(tmp_path):
+    arr = RNG.standard_normal((12, 4)).astype(np.float32)
+    rs.save({"m": {"x": arr}}, tmp_path / "ck", {"m.x": Layout.from_dtensor((2,), ["S(0)"], arr.shape)})
+    ckpt = rs.open(tmp_path / "ck")
+    target = {"m.x": Layout.from_dtensor((3,), ["S(0)"], arr.shape)}
+    buf = np.zeros((4, 4), np.float32)
+    got = ckpt.load(target, 2, out={"m": {"x": buf}})
+    assert got["m"]["x"] is buf
+    np.testing.assert_array_equal(buf, arr[8:12])
+    with pytest.raises(rs.ShapeMismatchError, match="out buffer"):
+        ckpt.load(target, 2, out={"m.x": np.zeros((3, 4), np.float32)})
