@@ -1,0 +1,34 @@
+"""Pure layout math: meshes, per-dim splits, rank -> region, replicas, read plans.
+
+No I/O and no framework imports. The public names::
+
+    from reshard.layouts import Layout, Block, Piece, plan, intersect
+    from reshard.layouts import parse_strategy, dump_strategy
+"""
+
+from .core import Layout
+from .errors import (
+    FormatError,
+    LayoutError,
+    RankError,
+    ReshardError,
+    ShapeMismatchError,
+)
+from .plan import plan
+from .records import Block, Piece, intersect
+from .strategy import dump_strategy, parse_strategy
+
+__all__ = [
+    "Block",
+    "FormatError",
+    "Layout",
+    "LayoutError",
+    "Piece",
+    "RankError",
+    "ReshardError",
+    "ShapeMismatchError",
+    "dump_strategy",
+    "intersect",
+    "parse_strategy",
+    "plan",
+]

@@ -1,0 +1,340 @@
+"""The :class:`Layout`: how one tensor's pieces sit on the ranks of a device mesh.
+
+A layout is pure data (frozen, hashable, JSON round-trip). Everything derived
+from it (each rank's region and replica id, the distinct blocks) is computed
+once per distinct layout by :mod:`._table` and cached.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from . import _table
+from ._split import SPLITS, divides
+from .errors import LayoutError, RankError, ShapeMismatchError
+from .records import Block
+
+Explicit = tuple[tuple[int, tuple[int, ...], tuple[int, ...], int], ...]
+
+
+def _ints(value: Any, what: str, minimum: int = 0) -> tuple[int, ...]:
+    try:
+        out = tuple(int(v) for v in value)
+    except (TypeError, ValueError):
+        raise LayoutError(f"{what} must be a sequence of ints, got {value!r}") from None
+    for v in out:
+        if v < minimum:
+            raise LayoutError(f"{what} {list(out)} holds {v}, below the minimum {minimum}")
+    return out
+
+
+def _short(ranks: tuple[int, ...]) -> str:
+    if ranks and ranks == tuple(range(ranks[0], ranks[0] + len(ranks))):
+        return f"{ranks[0]}..{ranks[-1]}"
+    return str(list(ranks)) if len(ranks) <= 8 else f"[{ranks[0]}, {ranks[1]}, ... {ranks[-1]}]"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a tensor of global `shape` is divided over the ranks of a mesh.
+
+    Parameters
+    ----------
+    shape : tuple of int
+        Global tensor shape.
+    mesh : tuple of int
+        Mesh shape (each axis at least 1).
+    ranks : tuple of int, optional
+        Global rank ids laid row-major over the mesh, last axis fastest.
+        Distinct, ``prod(mesh)`` of them. Empty (the default) means
+        ``range(prod(mesh))``.
+    dims : tuple of tuple of int, optional
+        One entry per tensor dim: the mesh axes splitting it, outer first;
+        ``()`` = not split. An axis splits at most one dim; unused axes
+        replicate. Empty (the default) means no dim is split.
+    split : {"even", "ceil", "balanced"}
+        How a dim of size S is cut into k pieces: ``even`` (S % k == 0
+        required), ``ceil`` (``torch.chunk``), ``balanced`` (OneFlow: the first
+        S % k pieces get one more).
+    nested : bool
+        With several axes on one dim: ``False`` cuts S once into the product of
+        their sizes (MindSpore, JAX); ``True`` lets each axis cut the extent
+        already narrowed by the previous ones (OneFlow, DTensor).
+    opt_shard : int, optional
+        MindSpore optimizer sharding: ``None`` off, ``-1`` the whole replica
+        group, ``s > 0`` groups of s. See :attr:`opt_sharded`.
+    explicit : tuple, optional
+        Blocks given directly, ``(rank, global_offset, local_shape,
+        replica_id)`` per rank (Megatron); then `mesh` is ``(len(explicit),)``.
+    origin : dict, optional
+        The framework's own description (JSON-able). Not compared or hashed.
+    """
+
+    shape: tuple[int, ...]
+    mesh: tuple[int, ...]
+    ranks: tuple[int, ...] = ()
+    dims: tuple[tuple[int, ...], ...] = ()
+    split: str = "even"
+    nested: bool = False
+    opt_shard: int | None = None
+    explicit: Explicit | None = None
+    origin: dict[str, Any] | None = field(default=None, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        def put(name: str, value: object) -> None:
+            object.__setattr__(self, name, value)
+
+        put("shape", _ints(self.shape, "shape"))
+        put("mesh", _ints(self.mesh, "mesh", minimum=1))
+        n = math.prod(self.mesh)
+        if not self.ranks:
+            put("ranks", tuple(range(n)))
+        put("ranks", _ints(self.ranks, "ranks"))
+        if len(self.ranks) != n:
+            raise LayoutError(f"mesh {list(self.mesh)} has {n} positions but {len(self.ranks)} ranks")
+        if len(set(self.ranks)) != n:
+            dup = sorted({r for r in self.ranks if self.ranks.count(r) > 1})
+            raise LayoutError(f"ranks {dup} appear more than once in the layout")
+        if not self.dims and self.shape:
+            put("dims", ((),) * len(self.shape))
+        put("dims", tuple(_ints(axes, f"dims[{d}]") for d, axes in enumerate(self.dims)))
+        if len(self.dims) != len(self.shape):
+            raise ShapeMismatchError(
+                f"dims {[list(a) for a in self.dims]} has {len(self.dims)} entries "
+                f"but shape {list(self.shape)} has {len(self.shape)} dims"
+            )
+        seen: dict[int, int] = {}
+        for d, axes in enumerate(self.dims):
+            for a in axes:
+                if a >= len(self.mesh):
+                    raise LayoutError(f"dim {d} names mesh axis {a}; mesh {list(self.mesh)} has {len(self.mesh)}")
+                if a in seen:
+                    raise LayoutError(f"mesh axis {a} splits both dim {seen[a]} and dim {d}")
+                seen[a] = d
+        if self.split not in SPLITS:
+            raise LayoutError(f"split {self.split!r} is not one of {list(SPLITS)}")
+        if self.split == "even":
+            for d, (size, axes) in enumerate(zip(self.shape, self.dims, strict=True)):
+                k = divides(size, axes, self.mesh)
+                if k is not None:
+                    raise LayoutError(f"dim {d} of size {size} cannot be split evenly into {k} pieces")
+        if self.opt_shard == 0:
+            put("opt_shard", None)
+        if self.opt_shard is not None and (int(self.opt_shard) < -1 or isinstance(self.opt_shard, bool)):
+            raise LayoutError(f"opt_shard {self.opt_shard!r} must be None, -1 or a positive int")
+        put("nested", bool(self.nested))
+        if self.explicit is not None:
+            self._check_explicit()
+
+    def _check_explicit(self) -> None:
+        from .adapters import check_blocks
+
+        blocks = check_blocks(self.shape, self.explicit or ())
+        object.__setattr__(self, "explicit", blocks)
+        want = tuple(b[0] for b in blocks)
+        if self.mesh != (len(blocks),) or self.ranks != want:
+            raise LayoutError(f"explicit layout must have mesh [{len(blocks)}] and ranks {list(want)}")
+        if any(self.dims) or self.opt_shard is not None:
+            raise LayoutError("explicit layout cannot also split dims or shard the optimizer")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle the fields only (the cached tables are rebuilt on demand)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_info"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    # ----------------------------------------------------------------- derived
+
+    @cached_property
+    def _info(self) -> _table.GridInfo | _table.ExplicitInfo:
+        if self.explicit is not None:
+            return _table.ExplicitInfo(self)
+        return _table.GridInfo(self)
+
+    @property
+    def size(self) -> int:
+        """Number of ranks."""
+        return len(self.ranks)
+
+    @property
+    def ndim(self) -> int:
+        """Number of tensor dims."""
+        return len(self.shape)
+
+    @property
+    def opt_sharded(self) -> bool:
+        """Whether optimizer sharding took effect (see `opt_shard`)."""
+        info = self._info
+        return isinstance(info, _table.GridInfo) and info.opt > 0
+
+    @property
+    def opt_group_size(self) -> int:
+        """Ranks sharing one model-parallel block under optimizer sharding (1 if off)."""
+        info = self._info
+        return info.opt if isinstance(info, _table.GridInfo) and info.opt else 1
+
+    def _pos(self, rank: int) -> int:
+        try:
+            return self._info.index[rank]
+        except (KeyError, TypeError):
+            raise RankError(f"rank {rank!r} is not in the layout's ranks {_short(self.ranks)}") from None
+
+    def region(self, rank: int) -> tuple[slice, ...]:
+        """Global region held by `rank`, as ``slice(start, stop)`` per dim."""
+        return tuple(slice(lo, hi) for lo, hi in self._info.bounds(self._pos(rank)))
+
+    def local_shape(self, rank: int) -> tuple[int, ...]:
+        """Shape of `rank`'s local array."""
+        return tuple(hi - lo for lo, hi in self._info.bounds(self._pos(rank)))
+
+    def replica_id(self, rank: int) -> int:
+        """0 for the rank that writes its region, 1, 2... for the other holders.
+
+        Ranks with an empty region get an id too (they write nothing).
+        """
+        return self._info.replica(self._pos(rank))
+
+    def coords(self, rank: int) -> tuple[int, ...]:
+        """Mesh coordinate of `rank` (row-major, last axis fastest)."""
+        return self._info.coords(self._pos(rank))
+
+    def blocks(self) -> tuple[Block, ...]:
+        """Every distinct non-empty region with its holders, in C order of starts."""
+        return self._info.blocks()
+
+    def boundaries(self, dim: int) -> tuple[int, ...]:
+        """Sorted distinct block starts and stops along `dim` (always 0 and the size)."""
+        if not 0 <= dim < self.ndim:
+            raise LayoutError(f"dim {dim} out of range for shape {list(self.shape)}")
+        out = {0, self.shape[dim]}
+        for b in self.blocks():
+            out.update((b.region[dim].start, b.region[dim].stop))
+        return tuple(sorted(out))
+
+    def is_regular(self) -> bool:
+        """True iff the blocks are the cells of a regular grid (edge cells may be smaller).
+
+        The cell shape is the first block's shape; this is the layout zarr can
+        store with one shard per block.
+        """
+        blocks = self.blocks()
+        if not blocks:
+            return True
+        cell = blocks[0].shape
+        count = 1
+        for d, (size, c) in enumerate(zip(self.shape, cell, strict=True)):
+            want = (*range(0, size, c), size)
+            if self.boundaries(d) != want:
+                return False
+            count *= len(want) - 1
+        return len(blocks) == count
+
+    # ------------------------------------------------------------ constructors
+
+    @classmethod
+    def single(cls, shape: Sequence[int], rank: int = 0) -> Layout:
+        """One device, `rank`, holds the whole tensor."""
+        return cls(tuple(shape), (1,), (rank,))
+
+    @classmethod
+    def from_mindspore(
+        cls,
+        dev_matrix: Sequence[int],
+        tensor_map: Sequence[int | Sequence[int]],
+        shape: Sequence[int],
+        opt_shard_size: int | None = None,
+        ranks: Sequence[int] | None = None,
+        stage: int = 0,
+    ) -> Layout:
+        """From a MindSpore device matrix and tensor map (see :mod:`.adapters`)."""
+        from .adapters import from_mindspore
+
+        return from_mindspore(dev_matrix, tensor_map, shape, opt_shard_size, ranks, stage)
+
+    @classmethod
+    def from_sharded_state_dict(
+        cls,
+        shard: Sequence[int],
+        shape: Sequence[int],
+        total_rank: int,
+        stage_rank_size: int | None = None,
+        stage: int = 0,
+    ) -> Layout:
+        """From a MindSpore ``sharded_state_dict`` entry (seed 002)."""
+        from .adapters import from_sharded_state_dict
+
+        return from_sharded_state_dict(shard, shape, total_rank, stage_rank_size, stage)
+
+    @classmethod
+    def from_oneflow(cls, ranks: Any, sbp: Any, shape: Sequence[int]) -> Layout:
+        """From a OneFlow placement's rank array and its (N-d) SBP."""
+        from .adapters import from_oneflow
+
+        return from_oneflow(ranks, sbp, shape)
+
+    @classmethod
+    def from_dtensor(
+        cls,
+        mesh_shape: int | Sequence[int],
+        placements: Any,
+        shape: Sequence[int],
+        ranks: Sequence[int] | None = None,
+    ) -> Layout:
+        """From a torch DTensor mesh shape and placements (``Shard``/``Replicate``)."""
+        from .adapters import from_dtensor
+
+        return from_dtensor(mesh_shape, placements, shape, ranks)
+
+    @classmethod
+    def from_jax(
+        cls,
+        mesh_axes: Mapping[str, int] | Sequence[tuple[str, int]],
+        partition_spec: Sequence[Any],
+        shape: Sequence[int],
+        ranks: Sequence[int] | None = None,
+    ) -> Layout:
+        """From a JAX mesh's named axes and a ``PartitionSpec``."""
+        from .adapters import from_jax
+
+        return from_jax(mesh_axes, partition_spec, shape, ranks)
+
+    @classmethod
+    def from_blocks(cls, shape: Sequence[int], blocks: Sequence[Sequence[Any]]) -> Layout:
+        """From explicit ``(rank, global_offset, local_shape, replica_id)`` blocks."""
+        from .adapters import from_blocks
+
+        return from_blocks(shape, blocks)
+
+    @classmethod
+    def from_megatron(cls, shape: Sequence[int], blocks: Sequence[Sequence[Any]]) -> Layout:
+        """From Megatron-Core ``ShardedTensor`` offsets; same as :meth:`from_blocks`."""
+        return cls.from_blocks(shape, blocks)
+
+    # -------------------------------------------------------------------- JSON
+
+    def to_json(self) -> dict[str, Any]:
+        """Stable JSON-able form (``"version": 1``); see :meth:`from_json`."""
+        from .jsonform import to_json
+
+        return to_json(self)
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Layout:
+        """Inverse of :meth:`to_json`; raises FormatError on anything else."""
+        from .jsonform import from_json
+
+        return from_json(obj)
+
+    def describe(self) -> str:
+        """Short human form, e.g. ``dev[2,4] tmap[-1,0] opt2`` or ``mesh[2,4] dims[0,-] even``."""
+        from .jsonform import describe
+
+        return describe(self)
+
+    def __repr__(self) -> str:
+        return f"Layout(shape={list(self.shape)}, {self.describe()}, ranks={_short(self.ranks)})"

@@ -1,0 +1,148 @@
+"""JSON form and short description of a :class:`~reshard.layouts.Layout`.
+
+Version 1::
+
+    {"version": 1, "shape": [8, 6], "mesh": [2, 4],
+     "ranks": {"range": [0, 8]}          # or an explicit list of ints
+     "dims": [[0], []], "split": "even", "nested": false,
+     "opt_shard": null, "explicit": null, "origin": {...} | null}
+
+``explicit`` (when not null) is a list of ``[rank, offset, local_shape,
+replica_id]``. A contiguous run of ranks is written as ``{"range": [start,
+stop]}`` to keep metadata small for large meshes.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from .errors import FormatError, LayoutError
+
+if TYPE_CHECKING:
+    from .core import Layout
+
+VERSION = 1
+_KEYS = {"version", "shape", "mesh", "ranks", "dims", "split", "nested", "opt_shard", "explicit", "origin"}
+
+
+def to_json(layout: Layout) -> dict[str, Any]:
+    """Return the JSON-able dict of `layout` (lists, ints, strings, bools, None)."""
+    r = layout.ranks
+    ranks: Any = (
+        {"range": [r[0], r[0] + len(r)]} if r == tuple(range(r[0], r[0] + len(r))) else list(r)
+    )
+    explicit = None
+    if layout.explicit is not None:
+        explicit = [[rk, list(off), list(shp), rid] for rk, off, shp, rid in layout.explicit]
+    return {
+        "version": VERSION,
+        "shape": list(layout.shape),
+        "mesh": list(layout.mesh),
+        "ranks": ranks,
+        "dims": [list(a) for a in layout.dims],
+        "split": layout.split,
+        "nested": layout.nested,
+        "opt_shard": layout.opt_shard,
+        "explicit": explicit,
+        "origin": layout.origin,
+    }
+
+
+def _int_list(obj: Any, what: str) -> list[int]:
+    if not isinstance(obj, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in obj):
+        raise FormatError(f"layout JSON field {what!r} must be a list of ints, got {obj!r}")
+    return obj
+
+
+def from_json(obj: Any) -> Layout:
+    """Build a layout from :func:`to_json` output (a dict, or a JSON string).
+
+    Raises
+    ------
+    FormatError
+        Not a dict of the known fields, an unknown version, wrong types, or
+        values describing an impossible layout.
+    """
+    from .core import Layout
+
+    if isinstance(obj, (str, bytes)):
+        try:
+            obj = json.loads(obj)
+        except ValueError as e:
+            raise FormatError(f"layout JSON does not parse: {e}") from None
+    if not isinstance(obj, dict):
+        raise FormatError(f"layout JSON must be an object, got {type(obj).__name__}")
+    if obj.get("version") != VERSION:
+        raise FormatError(f"layout JSON version {obj.get('version')!r} is not supported (want {VERSION})")
+    unknown = set(obj) - _KEYS
+    if unknown:
+        raise FormatError(f"layout JSON has unknown fields {sorted(unknown)}")
+    ranks = obj.get("ranks")
+    if isinstance(ranks, dict):
+        start, stop = _int_list(ranks.get("range"), "ranks.range")
+        ranks = list(range(start, stop))
+    dims = obj.get("dims", [])
+    if not isinstance(dims, list):
+        raise FormatError(f"layout JSON field 'dims' must be a list, got {dims!r}")
+    explicit = obj.get("explicit")
+    blocks = None
+    if explicit is not None:
+        if not isinstance(explicit, list):
+            raise FormatError(f"layout JSON field 'explicit' must be a list, got {explicit!r}")
+        blocks = []
+        for b in explicit:
+            if not (isinstance(b, list) and len(b) == 4 and isinstance(b[0], int) and isinstance(b[3], int)):
+                raise FormatError(f"layout JSON explicit block must be [rank, offset, shape, replica], got {b!r}")
+            blocks.append((b[0], tuple(_int_list(b[1], "offset")), tuple(_int_list(b[2], "shape")), b[3]))
+    split, nested = obj.get("split", "even"), obj.get("nested", False)
+    opt, origin = obj.get("opt_shard"), obj.get("origin")
+    if not isinstance(split, str) or not isinstance(nested, bool):
+        raise FormatError(f"layout JSON split/nested must be str/bool, got {split!r}/{nested!r}")
+    if opt is not None and (not isinstance(opt, int) or isinstance(opt, bool)):
+        raise FormatError(f"layout JSON opt_shard must be an int or null, got {opt!r}")
+    if origin is not None and not isinstance(origin, dict):
+        raise FormatError(f"layout JSON origin must be an object or null, got {origin!r}")
+    try:
+        return Layout(
+            shape=tuple(_int_list(obj.get("shape"), "shape")),
+            mesh=tuple(_int_list(obj.get("mesh"), "mesh")),
+            ranks=tuple(_int_list(ranks, "ranks")),
+            dims=tuple(tuple(_int_list(a, "dims")) for a in dims),
+            split=split,
+            nested=nested,
+            opt_shard=opt,
+            explicit=tuple(blocks) if blocks is not None else None,
+            origin=origin,
+        )
+    except (LayoutError, ValueError) as e:
+        if isinstance(e, FormatError):
+            raise
+        raise FormatError(f"layout JSON describes an impossible layout: {e}") from e
+
+
+def _nums(values: Any) -> str:
+    parts = []
+    for v in values:
+        parts.append("(" + ",".join(map(str, v)) + ")" if isinstance(v, (list, tuple)) else str(v))
+    return "[" + ",".join(parts) + "]"
+
+
+def describe(layout: Layout) -> str:
+    """Short human form of `layout`.
+
+    MindSpore origin: ``dev[2,4] tmap[-1,0]`` plus `` opt2`` when optimizer
+    sharding took effect. Otherwise ``mesh[2,4] dims[0,-] even`` where each
+    dim lists its mesh axes (``0.1`` = axes 0 then 1, ``-`` = not split),
+    followed by ``nested`` and ``optN`` when they apply; explicit layouts are
+    ``blocks[N] explicit``.
+    """
+    opt = f" opt{layout.opt_group_size}" if layout.opt_sharded else ""
+    origin = layout.origin or {}
+    if origin.get("framework") == "mindspore" and "dev_matrix" in origin and "tensor_map" in origin:
+        return f"dev{_nums(origin['dev_matrix'])} tmap{_nums(origin['tensor_map'])}{opt}"
+    if layout.explicit is not None:
+        return f"blocks[{len(layout.explicit)}] explicit"
+    dims = ",".join(".".join(map(str, a)) if a else "-" for a in layout.dims)
+    nested = " nested" if layout.nested and any(len(a) > 1 for a in layout.dims) else ""
+    return f"mesh{_nums(layout.mesh)} dims[{dims}] {layout.split}{nested}{opt}"

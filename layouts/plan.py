@@ -1,0 +1,112 @@
+"""Read plans: which source blocks fill one target rank's array.
+
+``plan(source, target, rank)`` is pure: it lists :class:`Piece` records that
+copy ``block[src]`` into ``local[dst]``. Source layouts whose blocks form a
+grid (every layout except irregular explicit ones) are searched per dim with
+``bisect`` on the block boundaries, so the cost is the number of pieces, not
+the number of blocks.
+"""
+
+from __future__ import annotations
+
+import itertools
+from bisect import bisect_left, bisect_right
+from dataclasses import dataclass
+from functools import lru_cache
+
+from .core import Layout
+from .errors import ShapeMismatchError
+from .records import Block, Piece, intersect
+
+__all__ = ["Piece", "intersect", "plan"]
+
+
+@dataclass(frozen=True)
+class _Grid:
+    cuts: tuple[tuple[int, ...], ...]  # per dim: sorted boundaries
+    cells: dict[tuple[int, ...], Block] | None  # grid index -> block; None if not a grid
+
+
+@lru_cache(maxsize=4096)
+def _grid(layout: Layout) -> _Grid:
+    blocks = layout.blocks()
+    cuts = tuple(
+        tuple(sorted({b.region[d].start for b in blocks} | {b.region[d].stop for b in blocks}))
+        for d in range(layout.ndim)
+    )
+    where = [{v: i for i, v in enumerate(c)} for c in cuts]
+    cells: dict[tuple[int, ...], Block] | None = {}
+    for b in blocks:
+        key = []
+        for d, s in enumerate(b.region):
+            i = where[d][s.start]
+            if where[d][s.stop] != i + 1:
+                cells = None
+                break
+            key.append(i)
+        if cells is None:
+            break
+        cells[tuple(key)] = b
+    if cells is not None and len(cells) != len(blocks):
+        cells = None
+    return _Grid(cuts, cells)
+
+
+def _candidates(source: Layout, want: tuple[slice, ...]) -> list[Block]:
+    grid = _grid(source)
+    if grid.cells is None:
+        return list(source.blocks())
+    spans = []
+    for c, s in zip(grid.cuts, want, strict=True):
+        lo = max(bisect_right(c, s.start) - 1, 0)
+        hi = min(bisect_left(c, s.stop), len(c) - 1)
+        spans.append(range(lo, hi))
+    out = []
+    for key in itertools.product(*spans):
+        b = grid.cells.get(key)
+        if b is not None:
+            out.append(b)
+    return out
+
+
+def plan(source: Layout, target: Layout, rank: int) -> tuple[Piece, ...]:
+    """Pieces of `source`'s blocks that fill `target.region(rank)`.
+
+    Parameters
+    ----------
+    source : Layout
+        Layout the data was saved with.
+    target : Layout
+        Layout to load into.
+    rank : int
+        A rank of `target`.
+
+    Returns
+    -------
+    tuple of Piece
+        In C order of the source blocks; together their ``dst`` regions cover
+        the rank's local array exactly once (empty for an empty region).
+
+    Raises
+    ------
+    ShapeMismatchError
+        If the global shapes differ.
+    RankError
+        If `rank` is not in `target`.
+    """
+    if source.shape != target.shape:
+        raise ShapeMismatchError(
+            f"source shape {list(source.shape)} differs from target shape {list(target.shape)}"
+        )
+    want = target.region(rank)
+    if any(s.start >= s.stop for s in want):
+        return ()
+    pieces = []
+    for block in _candidates(source, want):
+        region = intersect(block.region, want)
+        if region is None:
+            continue
+        src = tuple(slice(r.start - b.start, r.stop - b.start) for r, b in zip(region, block.region, strict=True))
+        dst = tuple(slice(r.start - w.start, r.stop - w.start) for r, w in zip(region, want, strict=True))
+        pieces.append(Piece(block, src, dst, region))
+    return tuple(pieces)
