@@ -107,7 +107,8 @@ class Storage:
     # ------------------------------------------------------------ reading
     def read(self, key: str) -> bytes:
         """Read a whole object (FileNotFoundError if absent)."""
-        data = self._call(key, lambda: self.fs.cat_file(self.path(key)))
+        # start=0 makes s3fs send one GET instead of HEAD + GET
+        data = self._call(key, lambda: self.fs.cat_file(self.path(key), start=0))
         self.count(requests=1, bytes_fetched=len(data))
         return bytes(data)
 
@@ -180,16 +181,19 @@ class Storage:
         self.count(writes=1, bytes_written=nbytes)
 
     def write_new(self, key: str, data: bytes) -> None:
-        """Write an object only if it does not exist yet.
+        """Write an object only if it does not exist yet (atomic create).
 
-        Local files use ``O_EXCL``; stores with conditional writes (S3
-        ``If-None-Match``) get them through fsspec's ``mode="create"``; elsewhere
-        an existence check precedes the write (documented as best effort).
+        Local files use ``O_EXCL``; S3 gets a conditional PUT (``If-None-Match: *``,
+        through fsspec's ``mode="create"``). A filesystem without conditional
+        writes falls back to check-then-write, which is not atomic (documented).
+        Write a unique ``data`` (e.g. with a random token): if a retried create
+        answers "exists" because its own first attempt landed, the object is
+        read back and accepted when it holds ``data``.
 
         Raises
         ------
         CheckpointExistsError
-            If the object already exists.
+            If the object already exists with other content.
         """
         if self.local:
             path = self.path(key)
@@ -203,13 +207,14 @@ class Storage:
             finally:
                 os.close(fd)
         else:
-            if self.exists(key):
-                raise CheckpointExistsError(f"{self.url}/{key} already exists")
             try:
                 self._call(key, lambda: self.fs.pipe_file(self.path(key), data, mode="create"))
             except FileExistsError:
-                raise CheckpointExistsError(f"{self.url}/{key} already exists") from None
-            except TypeError:  # filesystems without the mode argument
+                if self.read(key) != data:  # not our own create, acknowledged late
+                    raise CheckpointExistsError(f"{self.url}/{key} already exists") from None
+            except TypeError:  # a filesystem without the mode argument: best effort
+                if self.exists(key):
+                    raise CheckpointExistsError(f"{self.url}/{key} already exists") from None
                 self._call(key, lambda: self.fs.pipe_file(self.path(key), data))
         self.count(writes=1, bytes_written=len(data))
 
@@ -226,7 +231,7 @@ class Storage:
         for attempt in range(self.retries + 1):
             try:
                 return fn()
-            except FileNotFoundError:
+            except (FileNotFoundError, FileExistsError):
                 raise
             except _PERMANENT as e:
                 raise StorageError(f"{self.url}/{key}: {type(e).__name__}: {e}") from e

@@ -21,6 +21,7 @@ import functools
 import json
 import math
 import time
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -222,7 +223,7 @@ def commit(url: str | Storage, *, save_id: str | None = None,
     """
     storage = url if isinstance(url, Storage) else Storage(url, storage_options)
     try:
-        storage.write_new(LOCK_KEY, json.dumps({"time": time.time()}).encode())
+        storage.write_new(LOCK_KEY, json.dumps({"time": time.time(), "token": uuid.uuid4().hex}).encode())
     except CheckpointExistsError:
         raise CommitConflictError(
             f"{storage.url}: another writer is committing or has committed this checkpoint"
