@@ -206,12 +206,30 @@ class CheckpointWriter:
     # ------------------------------------------------------------- commit
     def commit(self) -> None:
         """Make the checkpoint visible; see :func:`commit`."""
-        commit(self.storage, save_id=self.save_id)
+        if isinstance(self.layouts, Mapping):
+            names = list(self.layouts)
+        else:
+            names = list(self.shapes)
+        ranks = sorted(set().union(*(self.layout(n).ranks for n in names))) if names else None
+        commit(self.storage, save_id=self.save_id, ranks=ranks)
 
 
-def commit(url: str | Storage, *, save_id: str | None = None,
+def commit(url: str | Storage, *, save_id: str | None = None, ranks: list[int] | None = None,
            storage_options: dict[str, Any] | None = None) -> None:
     """Commit a checkpoint once every rank has written.
+
+    Parameters
+    ----------
+    url : str or Storage
+        The checkpoint.
+    save_id : str, optional
+        Accept only manifests written with this ``save_id``.
+    ranks : list of int, optional
+        The ranks expected to have written (a writer passes them from its
+        layouts). Without them, the set recorded in any manifest found is used:
+        the only listing in the protocol; every manifest is then read by key.
+    storage_options : dict, optional
+        fsspec options when ``url`` is a string.
 
     Raises
     ------
@@ -229,7 +247,7 @@ def commit(url: str | Storage, *, save_id: str | None = None,
             f"{storage.url}: another writer is committing or has committed this checkpoint"
         ) from None
     try:
-        manifests = read_manifests(storage, save_id)
+        manifests = read_manifests(storage, save_id, ranks)
         metas, leaves = merge_manifests(storage.url, manifests)
         jobs = [lambda m=m: storage.write(f"{m.path}/zarr.json", json.dumps(m.to_zarr_json()).encode())
                 for m in metas.values()]
@@ -251,13 +269,17 @@ def commit(url: str | Storage, *, save_id: str | None = None,
         raise
 
 
-def read_manifests(storage: Storage, save_id: str | None = None) -> dict[int, dict[str, Any]]:
-    """Read every expected rank's manifest (expected ranks come from any manifest found)."""
-    present = [int(n.split(".")[0]) for n in storage.list(f"{META_DIR}/ranks") if n.endswith(".json")]
-    if not present:
-        raise UncommittedCheckpointError(f"{storage.url}: no rank has written anything yet")
-    first = _read_json(storage, manifest_key(present[0]))
-    expected = first["expected_ranks"]
+def read_manifests(storage: Storage, save_id: str | None = None,
+                   expected: list[int] | None = None) -> dict[int, dict[str, Any]]:
+    """Read every expected rank's manifest, by key.
+
+    ``expected`` defaults to the rank set recorded in any manifest found by listing.
+    """
+    if expected is None:
+        present = [int(n.split(".")[0]) for n in storage.list(f"{META_DIR}/ranks") if n.endswith(".json")]
+        if not present:
+            raise UncommittedCheckpointError(f"{storage.url}: no rank has written anything yet")
+        expected = _read_json(storage, manifest_key(present[0]))["expected_ranks"]
     manifests: dict[int, dict[str, Any]] = {}
 
     def load(r: int) -> None:
@@ -282,8 +304,8 @@ def describe_missing(url: str, missing: list[int], manifests: dict[int, dict[str
     for m in manifests.values():
         for name, t in m["tensors"].items():
             layout = Layout.from_json(t["layout"])
-            if any(layout.replica_id(r) == 0 and layout.local_shape(r) and
-                   all(layout.local_shape(r)) for r in missing if r in layout.ranks):
+            if any(layout.replica_id(r) == 0 and math.prod(layout.local_shape(r)) > 0
+                   for r in missing if r in layout.ranks):
                 lost.add(name)
     names = sorted(lost)
     shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
