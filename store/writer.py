@@ -158,10 +158,9 @@ class CheckpointWriter:
                 )
             metas[name] = self.meta(name, layout, dtype_name(arr.dtype))
             tensors[name] = arr
-        if isinstance(self.layouts, Mapping):
-            missing = [n for n, lay in self.layouts.items() if rank in lay.ranks and n not in tensors]
-            if missing:
-                raise LayoutError(f"rank {rank} holds {missing} by its layouts but did not pass them")
+        missing = [n for n in self.names() if n not in tensors and rank in self.layout(n).ranks]
+        if missing:
+            raise LayoutError(f"rank {rank} holds {missing} by its layouts but did not pass them")
         jobs = []
         for name, meta in metas.items():
             if meta.layout.replica_id(rank) == 0:
@@ -204,12 +203,13 @@ class CheckpointWriter:
         }
 
     # ------------------------------------------------------------- commit
+    def names(self) -> list[str]:
+        """The tensors this checkpoint will hold, as far as the writer knows them."""
+        return list(self.layouts) if isinstance(self.layouts, Mapping) else list(self.shapes)
+
     def commit(self) -> None:
         """Make the checkpoint visible; see :func:`commit`."""
-        if isinstance(self.layouts, Mapping):
-            names = list(self.layouts)
-        else:
-            names = list(self.shapes)
+        names = self.names()
         ranks = sorted(set().union(*(self.layout(n).ranks for n in names))) if names else None
         commit(self.storage, save_id=self.save_id, ranks=ranks)
 

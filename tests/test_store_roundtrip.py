@@ -168,3 +168,35 @@ def test_load_into_given_buffers(tmp_path):
     np.testing.assert_array_equal(buf, arr[8:12])
     with pytest.raises(rs.ShapeMismatchError, match="out buffer"):
         ckpt.load(target, 2, out={"m.x": np.zeros((3, 4), np.float32)})
+
+
+def test_megatron_explicit_blocks_and_save_pieces(tmp_path):
+    """Explicit (rank, offset, shape, replica) blocks that form no regular grid."""
+    arr = RNG.standard_normal((10, 6)).astype(np.float32)
+    blocks = [(0, (0, 0), (4, 6), 0), (1, (4, 0), (6, 3), 0), (2, (4, 3), (6, 3), 0), (3, (0, 0), (4, 6), 1)]
+    lay = Layout.from_megatron(arr.shape, blocks)
+    assert not lay.is_regular()
+    pieces = {r: {"t": arr[lay.region(r)]} for r in lay.ranks}
+    rs.save_pieces(pieces, tmp_path / "ck", {"t": lay})
+    ckpt = rs.open(tmp_path / "ck")
+    assert ckpt.arrays["t"].shard == (2, 3)  # gcd of the block boundaries
+    np.testing.assert_array_equal(ckpt["t"].read(), arr)
+    shard_files = list((tmp_path / "ck" / "t").rglob("c/*/*"))
+    assert len(shard_files) == 10  # every 2x3 cell once: the replica (rank 3) wrote nothing
+
+
+def test_rule_layouts_need_shapes_per_rank(tmp_path):
+    def rule(name: str, shape: tuple[int, ...]) -> Layout:
+        return Layout.single(shape) if not shape else Layout.from_dtensor((2,), ["S(0)"], shape)
+
+    with pytest.raises(rs.LayoutError, match="shapes="):
+        rs.create(tmp_path / "a", rule).write(0, {"w": np.zeros((2, 2))})
+    writer = rs.create(tmp_path / "b", rule, shapes={"w": (4, 2), "s": ()})
+    writer.write(0, {"w": np.zeros((2, 2)), "s": np.float32(1.5)})
+    writer.write(1, {"w": np.ones((2, 2))})
+    writer.commit()
+    ckpt = rs.open(tmp_path / "b")
+    np.testing.assert_array_equal(ckpt["w"].read(), np.repeat([[0.0], [1.0]], 2, axis=0).repeat(2, axis=1))
+    assert ckpt["s"].read() == np.float32(1.5)
+    with pytest.raises(rs.LayoutError, match=r"\['w'\]"):
+        rs.create(tmp_path / "c", rule, shapes={"w": (4, 2)}).write(1, {})
