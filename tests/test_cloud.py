@@ -185,3 +185,16 @@ def test_s3_permanent_403_fails_fast_naming_the_key(s3_proxy, s3_bucket):
     assert time.monotonic() - start < 5
     assert s3_proxy.requests <= 8  # no retry storm: at most one try per shard touched
     np.testing.assert_array_equal(ckpt["model.b"].read(), full_state()["model.b"])
+
+
+@pytest.mark.parametrize("engine", ["tensorstore", "zarr"])
+def test_general_engines_read_from_s3(s3_server, s3_bucket, engine, monkeypatch):
+    """TensorStore's s3 kvstore and zarr-python's FsspecStore read the same objects."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")  # TensorStore takes credentials from the env
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    opts = s3_server.storage_options()
+    url = f"s3://{s3_bucket}/engines"
+    rs.save({**full_state(), "step": 7}, url, source_layouts(), storage_options=opts)
+    ckpt = rs.open(url, storage_options=opts, engine=engine)
+    for name, arr in full_state().items():
+        np.testing.assert_array_equal(ckpt[name].read(), arr)
