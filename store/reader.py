@@ -34,6 +34,8 @@ from .writer import merge_manifests, read_manifests
 Region = tuple[slice, ...]
 #: Byte gap under which two chunk reads of one shard become one request.
 DEFAULT_GAP = 64 << 10
+#: Shards up to this many bytes are read whole (index and data in one request).
+SMALL_SHARD_BYTES = 256 << 10
 
 
 class Checkpoint(Mapping[str, "LazyTensor"]):
@@ -50,6 +52,8 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
         self.committed = committed
         self.engine = engine
         self.gap = gap
+        #: Shards up to this size are fetched whole, in one request with their index.
+        self.small_shard_bytes = SMALL_SHARD_BYTES
         self._indexes: dict[str, np.ndarray] = {}
 
     # ----------------------------------------------------------- mapping
@@ -107,7 +111,7 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
                 dest[...] = read_with_engine(self, meta, region)
             self.storage.count(bytes_delivered=sum(d.nbytes for _, _, d in jobs))
             return self.storage.stats - before
-        self._fetch_indexes(jobs)
+        blobs = self._fetch_indexes(jobs)
         work: list[tuple[Request, ArrayMeta, np.ndarray]] = []
         for meta, region, dest in jobs:
             reads = []
@@ -118,11 +122,17 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
                 work.append((Request(reads[0].key, 0, -1, tuple(reads)), meta, dest))
                 continue
             work += [(req, meta, dest) for req in coalesce(reads, self.gap)]
-        pool.run_all([functools.partial(execute, self.storage, *w) for w in work], self.storage.local)
+        pool.run_all([functools.partial(execute, self.storage, *w, blobs.get(w[0].key)) for w in work],
+                     self.storage.local)
         self.storage.count(bytes_delivered=sum(d.nbytes for _, _, d in jobs), tasks=len(work))
         return self.storage.stats - before
 
-    def _fetch_indexes(self, jobs: list[tuple[ArrayMeta, Region, np.ndarray]]) -> None:
+    def _fetch_indexes(self, jobs: list[tuple[ArrayMeta, Region, np.ndarray]]) -> dict[str, memoryview]:
+        """Fetch the shard indexes the jobs need (cached for the checkpoint's life).
+
+        A shard of at most ``small_shard_bytes`` is fetched whole, index and data in
+        one request; its bytes are returned (keyed by shard key) for this call only.
+        """
         wanted: dict[str, ArrayMeta] = {}
         for meta, region, _ in jobs:
             if meta.shape:
@@ -130,15 +140,22 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
                     key = meta.shard_key(shard)
                     if key not in self._indexes:
                         wanted[key] = meta
+        blobs: dict[str, memoryview] = {}
 
         def fetch(key: str, meta: ArrayMeta) -> None:
+            n = meta.index_nbytes()
             try:
-                data = self.storage.read_suffix(key, meta.index_nbytes())
+                if math.prod(meta.shard) * meta.np_dtype.itemsize <= self.small_shard_bytes:
+                    blob = memoryview(self.storage.read(key))
+                    blobs[key], data = blob, bytes(blob[-n:])
+                else:
+                    data = self.storage.read_suffix(key, n)
             except FileNotFoundError:
                 raise FormatError(f"tensor {meta.name!r}: shard {key!r} is missing from {self.url}") from None
             self._indexes[key] = decode_index(data, meta, key)
 
         pool.run_all([functools.partial(fetch, k, m) for k, m in wanted.items()], self.storage.local)
+        return blobs
 
     def read(self, name: str, region: Region | None = None) -> np.ndarray:
         """Read one tensor (or a region of it) into a new numpy array."""

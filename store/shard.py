@@ -190,25 +190,37 @@ def coalesce(reads: Iterable[ChunkRead], gap: int, max_bytes: int = 64 << 20) ->
 
 
 # ------------------------------------------------------------------ execute
-def execute(storage: Storage, req: Request, meta: ArrayMeta, dest: np.ndarray) -> None:
-    """Run one request: fetch its bytes, check crc32c, place every chunk."""
+def execute(storage: Storage, req: Request, meta: ArrayMeta, dest: np.ndarray,
+            blob: memoryview | None = None) -> None:
+    """Run one request: fetch its bytes, check crc32c, place every chunk.
+
+    ``blob`` is the whole shard object when it was already fetched (small shards).
+    """
     if req.stop < 0:  # 0-d tensor: read the whole object
         _place(memoryview(storage.read(req.key)), req.reads[0], meta, dest)
         return
     buffers: list[memoryview] = []
     temps: list[tuple[ChunkRead, memoryview, memoryview]] = []
-    pos = req.start
-    gap = memoryview(bytearray(max(r.offset for r in req.reads) - req.start + 1))
+    pos, gaps = req.start, []
     for r in req.reads:
-        if r.offset > pos:
-            buffers.append(gap[: r.offset - pos])
+        gaps.append(r.offset - pos)
+        pos = r.offset + r.nbytes
+    gap = memoryview(bytearray(max(gaps)))  # one scratch buffer serves every gap
+    for r, skip in zip(req.reads, gaps, strict=True):
+        if skip:
+            buffers.append(gap[:skip])
         body = r.nbytes - 4 if meta.checksums else r.nbytes
         data = _bytes_view(dest[r.dst]) if r.direct else memoryview(bytearray(body))
         crc = memoryview(bytearray(4 if meta.checksums else 0))
         buffers += [data, crc] if meta.checksums else [data]
         temps.append((r, data, crc))
-        pos = r.offset + r.nbytes
-    storage.read_into(req.key, req.start, buffers)
+    if blob is None:
+        storage.read_into(req.key, req.start, buffers)
+    else:
+        at = req.start
+        for b in buffers:
+            b[:] = blob[at : at + b.nbytes]
+            at += b.nbytes
     for r, data, crc in temps:
         if meta.checksums and crc32c(data) != int.from_bytes(crc, "little"):
             raise ChecksumError(
