@@ -56,11 +56,11 @@ def _make(
 
 def _flat(value: Any) -> list[Any]:
     """Unwrap ``[[...]]`` (one repeated DevMatrix/TensorMap message) to ``[...]``."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], list):
+    if isinstance(value, list | tuple) and len(value) == 1 and isinstance(value[0], list | tuple):
         inner = value[0]
         if all(isinstance(v, int) for v in inner):
-            return inner
-    return value if isinstance(value, list) else []
+            return list(inner)
+    return list(value) if isinstance(value, list | tuple) else []
 
 
 def _parse_json(obj: Mapping[str, Any], shapes: Mapping[str, Sequence[int]]) -> dict[str, Layout]:

@@ -202,3 +202,11 @@ def test_protowire_fixed_and_errors():
     for bad in (b"\x08", b"\x0a\x05ab", b"\x00\x01", b"\x0b", b"\x08" + b"\xff" * 11):
         with pytest.raises(FormatError):
             pw.decode(bad)
+
+
+def test_shapes_may_be_tuples():
+    from reshard.layouts import Layout, dump_strategy, parse_strategy
+
+    lay = {"w": Layout.from_mindspore([2, 2], [1, 0], (8, 4))}
+    data = dump_strategy(lay, format="protobuf")
+    assert parse_strategy(data, shapes={"w": (8, 4)}) == lay
