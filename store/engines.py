@@ -51,7 +51,8 @@ def tensorstore_array(storage: Storage, meta: ArrayMeta, write: bool = False) ->
     spec: dict[str, Any] = {"driver": "zarr3", "kvstore": kvstore_spec(storage, meta.path)}
     if write:  # metadata is written at commit: write shards against the known metadata
         doc = meta.to_zarr_json()
-        spec["metadata"] = {k: v for k, v in doc.items() if k not in ("zarr_format", "node_type", "storage_transformers")}
+        skip = ("zarr_format", "node_type", "storage_transformers")
+        spec["metadata"] = {k: v for k, v in doc.items() if k not in skip}
         return ts.open(spec, write=True, assume_metadata=True).result()
     return ts.open(spec, read=True).result()
 

@@ -8,6 +8,7 @@ straight into the destination buffers (no intermediate copies).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
@@ -220,10 +221,8 @@ class Storage:
 
     def delete(self, key: str) -> None:
         """Remove an object or a whole prefix; absent is fine."""
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self._call(key, lambda: self.fs.rm(self.path(key), recursive=True))
-        except FileNotFoundError:
-            pass
 
     # ------------------------------------------------------------ retries
     def _call(self, key: str, fn: Callable[[], T]) -> T:
@@ -246,9 +245,7 @@ class Storage:
 
 
 def _transient(e: BaseException) -> bool:
-    if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.ENOSPC):
-        return False
-    return True
+    return not (isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.ENOSPC))
 
 
 def _writev_all(fd: int, parts: Sequence[Any]) -> None:

@@ -176,8 +176,8 @@ class CheckpointWriter:
         jobs = []
         for idx in meta.shards_in(region):
             sreg = meta.shard_region(idx)
-            sub = local[tuple(slice(s.start - r.start, s.stop - r.start) for s, r in zip(sreg, region, strict=True))
-                        + (...,)]
+            sub = local[(*(slice(s.start - r.start, s.stop - r.start) for s, r in zip(sreg, region, strict=True)),
+                         ...)]
             key = meta.shard_key(idx)
             jobs.append(lambda key=key, sub=sub: self.storage.write(key, encode_shard(sub, meta)))
         return jobs

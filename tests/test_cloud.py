@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 import reshard.store as rs
 from reshard.layouts import Layout
 

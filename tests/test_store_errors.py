@@ -53,7 +53,7 @@ def test_wrong_ranks_and_missing_tensors(tmp_path):
         writer.write(0, {"w": np.zeros((2, 3))})
     with pytest.raises(rs.LayoutError, match="no layout given for tensor 'c'"):
         writer.write(0, {"w": np.zeros((2, 3)), "b": np.zeros(3), "c": np.zeros(1)})
-    with pytest.raises(TypeError, match="leaf 'obj'"):
+    with pytest.raises(TypeError, match=r"leaf 'obj'"):
         writer.write(0, {"w": np.zeros((2, 3)), "b": np.zeros(3), "obj": object()})
     assert not list((tmp_path / "ck").rglob("c/*")), "a refused write left data behind"
 
@@ -77,7 +77,7 @@ def test_corrupted_chunk_names_the_tensor(tmp_path):
     data[100] ^= 0xFF  # flip bits inside the first chunk
     shard.write_bytes(bytes(data))
     ckpt = rs.open(tmp_path / "ck")
-    with pytest.raises(rs.ChecksumError, match="'layer.w'.*crc32c"):
+    with pytest.raises(rs.ChecksumError, match=r"'layer\.w'.*crc32c"):
         ckpt["layer.w"].read()
     np.testing.assert_array_equal(ckpt["layer.w"][40:].read(), arr[40:])  # other chunks are fine
     np.testing.assert_array_equal(ckpt["layer.ok"].read(), arr)

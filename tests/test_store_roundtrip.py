@@ -40,12 +40,14 @@ def check_every_rank(ckpt: rs.Checkpoint, full: dict[str, np.ndarray], target: d
         (lambda s: Layout.from_mindspore([2, 2], [1, 0], s), lambda s: Layout.from_mindspore([2, 1], [1, 0], s)),
         # 64 -> 1 (integration) and 64 -> 56
         (lambda s: Layout.from_mindspore([8, 8], [1, 0], s), lambda s: Layout.single(s)),
-        (lambda s: Layout.from_mindspore([8, 8], [1, 0], s), lambda s: Layout.from_dtensor((7, 8), ["S(1)", "S(0)"], s)),
+        (lambda s: Layout.from_mindspore([8, 8], [1, 0], s),
+         lambda s: Layout.from_dtensor((7, 8), ["S(1)", "S(0)"], s)),
         # OneFlow balanced 2-d (nested) -> JAX-like even
         (lambda s: Layout.from_oneflow([[0, 1, 2], [3, 4, 5]], ("S(0)", "S(1)"), s),
          lambda s: Layout.from_dtensor((2, 2), ["R", "S(1)"], s)),
         # DTensor ceil with empty pieces (dim 0 of 5 rows over 4 -> 2,2,1,0; nested with 3 on dim 1)
-        (lambda s: Layout.from_dtensor((4, 3), ["S(0)", "S(1)"], s), lambda s: Layout.from_oneflow([0, 1, 2], "S(0)", s)),
+        (lambda s: Layout.from_dtensor((4, 3), ["S(0)", "S(1)"], s),
+         lambda s: Layout.from_oneflow([0, 1, 2], "S(0)", s)),
     ],
     ids=["8to7", "seed000-4to2", "64to1", "64to56", "oneflow-balanced", "dtensor-ceil-empty"],
 )
