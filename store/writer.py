@@ -176,8 +176,9 @@ class CheckpointWriter:
         jobs = []
         for idx in meta.shards_in(region):
             sreg = meta.shard_region(idx)
-            sub = local[(*(slice(s.start - r.start, s.stop - r.start) for s, r in zip(sreg, region, strict=True)),
-                         ...)]
+            within: tuple[Any, ...] = tuple(slice(s.start - r.start, s.stop - r.start)
+                                            for s, r in zip(sreg, region, strict=True))
+            sub = local[(*within, ...)]  # the Ellipsis keeps a 0-d piece an array
             key = meta.shard_key(idx)
             jobs.append(lambda key=key, sub=sub: self.storage.write(key, encode_shard(sub, meta)))
         return jobs
