@@ -168,6 +168,22 @@ class CheckpointWriter:
         pool.run_all(jobs, self.storage.local)
         self.storage.write(manifest_key(rank), json.dumps(self._manifest(rank, metas, leaves)).encode())
 
+    def write_block(self, meta: ArrayMeta, region: tuple[slice, ...], data: np.ndarray) -> None:
+        """Write the shards of one block of a tensor (``data`` holds the block's values).
+
+        For single-process writers that hold blocks rather than ranks' state
+        dicts (importers, :func:`reshard.store.redivide`); the caller writes each
+        block once, then calls :meth:`write_manifests` and :meth:`commit`.
+        """
+        pool.run_all(self._shard_jobs(meta, region, data), self.storage.local)
+
+    def write_manifests(self, metas: Mapping[str, ArrayMeta], leaves: Mapping[str, Any]) -> None:
+        """Write the manifest of every rank of ``metas``' layouts (after :meth:`write_block`)."""
+        ranks = sorted(set().union(*(m.layout.ranks for m in metas.values()))) or [0]
+        for rank in ranks:
+            held = {n: m for n, m in metas.items() if rank in m.layout.ranks}
+            self.storage.write(manifest_key(rank), json.dumps(self._manifest(rank, held, dict(leaves))).encode())
+
     def _shard_jobs(self, meta: ArrayMeta, region: tuple[slice, ...], local: np.ndarray) -> list[Any]:
         if self.engine == "tensorstore" and meta.shape:
             from .engines import write_with_tensorstore

@@ -1,0 +1,474 @@
+"""PyTorch front end: DTensor state dicts in and out, DCP import, ``torch.save`` export.
+
+Call :func:`save` and :func:`load` on every rank of a ``torch.distributed`` job
+(or in one process without a process group). Values may be DTensors (any mesh,
+``Shard``/``Replicate``, uneven ``torch.chunk`` pieces), plain tensors (taken
+to be identical on every rank: one rank writes them) and JSON leaves. Loading
+into DTensors of another mesh reads only each rank's own region, straight into
+its local tensor. For optimizer state use the FQN-keyed dicts of
+``torch.distributed.checkpoint.state_dict.get_state_dict`` (see docs/torch.md).
+
+DCP's pickled ``.metadata`` is read with a restricted unpickler (only DCP's
+metadata classes resolve) and its chunks with ``torch.load(weights_only=True)``.
+torch is imported inside the functions, never when ``reshard.store`` loads.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+from reshard.layouts import Layout
+from reshard.layouts.errors import FormatError, LayoutError, TensorNotFoundError
+
+from ..dtypes import dtype_name
+from ..reader import open
+from ..storage import IOStats, Storage
+from ..tree import to_json
+from ..writer import commit, create
+
+#: torch dtypes numpy lacks, moved bit for bit through a same-width integer view.
+_VIEWS = {
+    "bfloat16": ("int16", ml_dtypes.bfloat16),
+    "float8_e4m3fn": ("uint8", ml_dtypes.float8_e4m3fn),
+    "float8_e5m2": ("uint8", ml_dtypes.float8_e5m2),
+}
+
+
+# ------------------------------------------------------------------ tensors
+def to_numpy(tensor: Any) -> np.ndarray:
+    """A numpy array of a torch tensor's values (a view, without copy, for contiguous CPU tensors).
+
+    bfloat16 and float8 go through an integer view of the same width: no
+    float round trip, every bit kept.
+    """
+    import torch
+
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    name = str(t.dtype).removeprefix("torch.")
+    if name in _VIEWS:
+        int_name, np_dtype = _VIEWS[name]
+        return t.view(getattr(torch, int_name)).numpy().view(np_dtype)
+    return t.numpy()
+
+
+def from_numpy(array: np.ndarray) -> Any:
+    """A CPU torch tensor sharing ``array``'s memory (inverse of :func:`to_numpy`)."""
+    import torch
+
+    name = dtype_name(array.dtype)
+    if name in _VIEWS:
+        int_name, _ = _VIEWS[name]
+        return torch.from_numpy(array.view(int_name)).view(getattr(torch, name))
+    return torch.from_numpy(array)
+
+
+def _is_tensor(value: Any) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor)
+
+
+def _is_dtensor(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+def _local(value: Any) -> Any:
+    """The tensor this rank holds (a DTensor's local shard), detached, sharing memory."""
+    return value.to_local().detach() if _is_dtensor(value) else value.detach()
+
+
+def _placement(p: Any) -> str:
+    if type(p).__name__ == "_StridedShard":
+        raise LayoutError(f"DTensor placement {p} (FSDP2 + TP strided shard) is not supported; "
+                          "redistribute to Shard/Replicate first")
+    if p.is_shard():
+        return f"S({p.dim})"
+    if p.is_replicate():
+        return "R"
+    return str(p)  # Partial: the adapter names it and refuses
+
+
+def layout_of(value: Any, ranks: list[int]) -> Layout:
+    """The layout of one state-dict tensor.
+
+    A DTensor gives ``Layout.from_dtensor`` over its mesh's global ranks; a
+    plain tensor is replicated over ``ranks`` (its replica 0 writes it).
+    """
+    shape = tuple(value.shape)
+    if _is_dtensor(value):
+        mesh = value.device_mesh
+        placements = [_placement(p) for p in value.placements]
+        return Layout.from_dtensor(tuple(mesh.mesh.shape), placements, shape, ranks=mesh.mesh.flatten().tolist())
+    return Layout(shape, (len(ranks),), tuple(ranks))
+
+
+# --------------------------------------------------------------- state dicts
+def _holds_tensor(value: Any) -> bool:
+    if _is_tensor(value):
+        return True
+    if isinstance(value, Mapping):
+        return any(_holds_tensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensor(v) for v in value)
+    return False
+
+
+def _walk(node: Any, prefix: str = "") -> Iterator[tuple[str, Any, Any, Any]]:
+    """Yield ``(dotted name, container, key, value)`` for every tensor and JSON leaf.
+
+    Mappings are walked; lists and tuples only when they hold tensors (a list
+    of hyper-parameters, like ``param_groups``, is one JSON leaf).
+    """
+    items = node.items() if isinstance(node, Mapping) else enumerate(node)
+    for key, value in items:
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, Mapping) or (isinstance(value, (list, tuple)) and _holds_tensor(value)):
+            yield from _walk(value, name)
+        else:
+            yield name, node, key, value
+
+
+def _like(value: Any, template: Any) -> Any:
+    """A JSON value shaped back like ``template`` (lists that were tuples become tuples)."""
+    if isinstance(template, tuple) and isinstance(value, list):
+        return tuple(_like(v, t) for v, t in zip(value, template, strict=False)) + tuple(value[len(template):])
+    if isinstance(template, list) and isinstance(value, list):
+        return [_like(v, t) for v, t in zip(value, template, strict=False)] + value[len(template):]
+    if isinstance(template, dict) and isinstance(value, dict):
+        return {k: _like(v, template[k]) if k in template else v for k, v in value.items()}
+    return value
+
+
+def _group(process_group: Any) -> tuple[int, list[int]]:
+    """This process's global rank and the global ranks of the group (``0, [0]`` without torch.distributed)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, [0]
+    group = process_group or dist.group.WORLD
+    return dist.get_rank(), sorted(dist.get_process_group_ranks(group))
+
+
+def _agree(error: str | None, process_group: Any, ranks: list[int]) -> None:
+    """Barrier that also shares failures: every rank raises if any rank failed."""
+    import torch.distributed as dist
+
+    if len(ranks) == 1 and not dist.is_initialized():
+        if error:
+            raise RuntimeError(error)
+        return
+    errors: list[Any] = [None] * len(ranks)
+    dist.all_gather_object(errors, error, group=process_group)
+    failed = [f"rank {r}: {e}" for r, e in zip(ranks, errors, strict=True) if e]
+    if failed:
+        raise RuntimeError("reshard save failed; " + "; ".join(failed))
+
+
+# --------------------------------------------------------------- save/load
+def save(state_dict: Mapping[str, Any], url: str, *, process_group: Any = None, **options: Any) -> None:
+    """Save a (DTensor) state dict; call on every rank of the group.
+
+    Each rank writes the blocks it holds as replica 0 (no communication),
+    then the ranks meet once; the group's first rank commits, and they meet
+    again, so the checkpoint is committed when this returns on any rank.
+
+    Parameters
+    ----------
+    state_dict : mapping
+        Nested ``{name: DTensor | Tensor | JSON leaf}``, e.g.
+        ``{"model": model_sd, "optim": optim_sd}`` from ``get_state_dict``.
+    url : str
+        Destination (local path or fsspec URL).
+    process_group : ProcessGroup, optional
+        The ranks taking part (default: the whole job).
+    **options
+        As for :func:`reshard.store.create` (``overwrite``, ``compression``,
+        ``chunk_bytes``, ``storage_options``...).
+    """
+    rank, ranks = _group(process_group)
+    layouts: dict[str, Layout] = {}
+    local: dict[str, Any] = {}
+    error = None
+    try:
+        for name, _, _, value in _walk(state_dict):
+            if _is_tensor(value):
+                layouts[name] = layout_of(value, ranks)
+                if rank in layouts[name].ranks:
+                    local[name] = to_numpy(_local(value))
+            else:
+                local[name] = to_json(value, name)
+        writer = create(url, layouts, **options)
+        writer.write(rank, local)
+    except Exception as e:  # shared with the other ranks below, then raised everywhere
+        error = f"{type(e).__name__}: {e}"
+    _agree(error, process_group, ranks)
+    if rank == ranks[0]:
+        try:
+            commit(writer.storage, save_id=options.get("save_id"), ranks=ranks)
+        except Exception as e:
+            error = f"commit: {type(e).__name__}: {e}"
+    _agree(error, process_group, ranks)
+
+
+def load(state_dict: Mapping[str, Any], url: str, *, strict: bool = True, process_group: Any = None,
+         storage_options: dict[str, Any] | None = None, engine: str = "fast") -> IOStats:
+    """Fill a (DTensor) state dict in place from a checkpoint; call on every rank.
+
+    Each DTensor's local tensor receives its own region under its own mesh
+    and placements (any mesh, any world size: nothing else is read, no
+    collective is used). Plain tensors receive the whole stored tensor, JSON
+    leaves are replaced by the stored values. Stored values of another dtype
+    are cast as by ``Tensor.copy_``.
+
+    Parameters
+    ----------
+    state_dict : mapping
+        The target, e.g. ``{"model": ..., "optim": ...}`` from ``get_state_dict``
+        on the new mesh; pass the filled dicts to ``set_state_dict`` afterwards.
+    url : str
+        The checkpoint.
+    strict : bool
+        Raise :class:`TensorNotFoundError` for names the checkpoint lacks
+        (otherwise they keep their values).
+    process_group : ProcessGroup, optional
+        Only used to learn this process's rank.
+    storage_options, engine
+        As for :func:`reshard.store.open`.
+
+    Returns
+    -------
+    IOStats
+        This rank's read counters.
+    """
+    import torch
+
+    rank, _ = _group(process_group)
+    ckpt = open(url, storage_options=storage_options, engine=engine)
+    layouts: dict[str, Layout] = {}
+    out: dict[str, np.ndarray] = {}
+    copies: list[tuple[Any, np.ndarray]] = []
+    updates: list[tuple[Any, Any, Any]] = []
+    missing = []
+    for name, container, key, value in _walk(state_dict):
+        if not _is_tensor(value):
+            if name in ckpt.leaves:
+                updates.append((container, key, _like(ckpt.leaves[name], value)))
+            elif name not in ckpt.arrays:
+                missing.append(name)
+            continue
+        if name not in ckpt.arrays:
+            missing.append(name)
+            continue
+        layout = layout_of(value, [rank])
+        if rank not in layout.ranks:
+            continue
+        layouts[name] = layout
+        target = _local(value)
+        stored = ckpt.arrays[name].np_dtype
+        view = to_numpy(target) if target.device.type == "cpu" and target.is_contiguous() else None
+        if view is not None and view.dtype == stored:
+            out[name] = view  # read straight into the tensor's memory
+        else:
+            out[name] = np.empty(layout.local_shape(rank), dtype=stored)
+            copies.append((target, out[name]))
+    if missing and strict:
+        shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
+        raise TensorNotFoundError(f"{ckpt.url} holds no tensor or leaf named {shown}")
+    ckpt.load(layouts, rank, out=out)
+    with torch.no_grad():
+        for target, array in copies:
+            target.copy_(from_numpy(array))
+    for container, key, leaf in updates:
+        container[key] = leaf
+    return ckpt.last_stats
+
+
+# -------------------------------------------------------------- DCP import
+#: The globals a DCP ``.metadata`` pickle may name, besides torch dtypes and layouts.
+_DCP_GLOBALS = frozenset(
+    [("torch.distributed.checkpoint.metadata", n) for n in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")]
+    + [("pathlib", n) for n in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")]
+    + [("builtins", n) for n in ("set", "frozenset", "tuple", "list", "dict")]
+    + [("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
+       ("torch", "Size"), ("collections", "OrderedDict")]
+)
+
+
+class _DCPMetadataUnpickler(pickle.Unpickler):
+    """RESTRICTED unpickler for DCP's pickled ``.metadata`` (someone else's format, not ours).
+
+    Only the DCP metadata dataclasses, ``torch.Size``, torch dtypes and
+    layouts, paths and a few builtins resolve; any other global raises, so a
+    crafted file cannot run code. Never use plain ``pickle.load`` here.
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        import torch
+
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
+            return getattr(torch, name)
+        if (module, name) in _DCP_GLOBALS:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"DCP metadata refers to {module}.{name}, which reshard does not load")
+
+
+def read_dcp_metadata(data: bytes) -> Any:
+    """Decode a DCP ``.metadata`` file with the restricted unpickler."""
+    try:
+        return _DCPMetadataUnpickler(io.BytesIO(data)).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
+        raise FormatError(f"not a readable DCP .metadata file: {e}") from None
+
+
+def _dcp_item(src: Storage, info: Any, what: str) -> Any:
+    """torch.load one saved item (weights_only: torch's own restricted unpickler)."""
+    import torch
+
+    if getattr(info, "transform_descriptors", None):
+        raise FormatError(f"{src.url}: {what} uses DCP extensions {info.transform_descriptors}, "
+                          "which reshard does not decode")
+    buf = bytearray(info.length)
+    src.read_into(info.relative_path, info.offset, [memoryview(buf)])
+    try:
+        return torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise FormatError(f"{src.url}: cannot decode {what} in {info.relative_path}: {e}") from None
+
+
+def _regroup(items: dict[str, Any], paths: Mapping[str, Any], tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """Join DCP's per-element items of JSON lists back into one leaf each.
+
+    DCP walks lists that hold mappings (``param_groups.0.lr``...); :func:`save`
+    keeps such a list whole (``param_groups``), so an imported checkpoint
+    loads into the same state dicts. ``paths`` is DCP's ``planner_data``
+    (fqn -> key path); lists that also hold tensors stay split.
+    """
+    leaves: dict[str, Any] = {}
+    for fqn, value in items.items():
+        path = paths.get(fqn)
+        cut = next((i for i, k in enumerate(path or ()) if isinstance(k, int)), None)
+        if path is None or cut is None or cut == 0:
+            leaves[fqn] = value
+            continue
+        name = ".".join(str(k) for k in path[:cut])
+        if any(t.startswith(name + ".") for t in tensors) or not isinstance(leaves.get(name, []), list):
+            leaves[fqn] = value
+            continue
+        node: Any = leaves.setdefault(name, [])
+        for key, nxt in zip(path[cut:], path[cut + 1:], strict=False):
+            if isinstance(key, int):
+                node.extend({} if isinstance(nxt, str) else [] for _ in range(key + 1 - len(node)))
+                node = node[key]
+            else:
+                node = node.setdefault(key, {} if isinstance(nxt, str) else [])
+        last = path[-1]
+        if isinstance(last, int):
+            node.extend(None for _ in range(last + 1 - len(node)))
+        node[last] = value
+    return leaves
+
+
+def import_dcp(src: str, dst: str, *, src_storage_options: dict[str, Any] | None = None,
+               **options: Any) -> dict[str, Any]:
+    """Convert a torch DCP checkpoint (``.metadata`` + ``*.distcp``) into a reshard checkpoint.
+
+    Streams: one saved chunk is in memory at a time (read by byte range, so
+    ``src`` may be any fsspec URL). Each tensor keeps DCP's chunks as its
+    saving layout (an explicit layout, one block per saved chunk, numbered
+    in DCP's order); non-tensor items become JSON leaves.
+
+    Parameters
+    ----------
+    src : str
+        The DCP checkpoint directory.
+    dst : str
+        The new checkpoint.
+    src_storage_options : dict, optional
+        fsspec options for ``src``.
+    **options
+        As for :func:`reshard.store.create`.
+
+    Returns
+    -------
+    dict
+        ``{"tensors": n, "leaves": n, "bytes": n, "skipped": [names]}``:
+        ``skipped`` names non-tensor items that are not JSON (warned about).
+    """
+    src_store = Storage(src, src_storage_options)
+    try:
+        raw = src_store.read(".metadata")
+    except FileNotFoundError:
+        raise FormatError(f"{src_store.url}: no DCP .metadata file") from None
+    md = read_dcp_metadata(raw)
+    where = {(idx.fqn, None if idx.offset is None else tuple(idx.offset)): info
+             for idx, info in md.storage_data.items()}
+    layouts, dtypes, items, skipped = {}, {}, {}, []
+    for fqn, item in md.state_dict_metadata.items():
+        if hasattr(item, "chunks"):
+            blocks = [(i, tuple(c.offsets), tuple(c.sizes), 0) for i, c in enumerate(item.chunks)]
+            layouts[fqn] = Layout.from_blocks(tuple(item.size), blocks)
+            dtypes[fqn] = str(item.properties.dtype).removeprefix("torch.")
+        else:
+            value = _dcp_item(src_store, where[(fqn, None)], f"item {fqn!r}")
+            try:
+                items[fqn] = to_json(value, fqn)
+            except TypeError as e:
+                warnings.warn(f"import_dcp: skipping {fqn!r}: {e}", stacklevel=2)
+                skipped.append(fqn)
+    leaves = _regroup(items, getattr(md, "planner_data", None) or {}, layouts)
+    writer = create(dst, layouts, **options)
+    metas = {n: writer.meta(n, lay, dtypes[n]) for n, lay in layouts.items()}
+    total = 0
+    for fqn, item in md.state_dict_metadata.items():
+        for chunk in getattr(item, "chunks", ()):
+            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+            tensor = _dcp_item(src_store, where[(fqn, offsets)], f"chunk {list(offsets)} of {fqn!r}")
+            if tuple(tensor.shape) != sizes:
+                raise FormatError(f"{src_store.url}: chunk {list(offsets)} of {fqn!r} has shape "
+                                  f"{list(tensor.shape)}, the metadata says {list(sizes)}")
+            array = to_numpy(tensor)
+            region = tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))
+            writer.write_block(metas[fqn], region, array)
+            total += array.nbytes
+    writer.write_manifests(metas, leaves)
+    writer.commit()
+    return {"tensors": len(layouts), "leaves": len(leaves), "bytes": total, "skipped": skipped}
+
+
+# -------------------------------------------------------------- export
+def export_torch(url: str, path: str, *, prefix: str = "", storage_options: dict[str, Any] | None = None) -> IOStats:
+    """Write a checkpoint's tensors as one ``torch.save`` file of a flat ``{name: tensor}`` dict.
+
+    For inference: ``prefix="model."`` keeps the tensors under ``model`` and
+    strips the prefix, so the file loads with ``model.load_state_dict``.
+    ``torch.save`` needs every tensor in memory at once; for a file written
+    with bounded memory use ``ckpt.export(path, "safetensors")``.
+
+    Returns
+    -------
+    IOStats
+        The read counters.
+    """
+    import torch
+
+    ckpt = open(url, storage_options=storage_options)
+    names = [n for n in ckpt.arrays if n.startswith(prefix)]
+    if not names:
+        raise TensorNotFoundError(f"{ckpt.url} holds no tensor under {prefix!r}")
+    arrays = {n: np.empty(ckpt.arrays[n].shape, ckpt.arrays[n].np_dtype) for n in names}
+    stats = ckpt.read_regions([(ckpt.arrays[n], tuple(slice(0, s) for s in a.shape), a) for n, a in arrays.items()])
+    torch.save({n[len(prefix):]: from_numpy(a) for n, a in arrays.items()}, path)
+    return stats

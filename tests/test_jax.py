@@ -1,0 +1,202 @@
+"""JAX front end: save on a (4, 2) mesh, restore on (2,) and (8,), Orbax import.
+
+JAX runs in a subprocess with 8 fake CPU devices (``XLA_FLAGS`` must be set
+before jax is first imported, which this pytest process cannot promise).
+Each scenario below is a function of this file, run as
+``python tests/test_jax.py <scenario> <tmp dir>``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.jax
+
+
+def _run(scenario: str, tmp_path: Path) -> None:
+    pytest.importorskip("jax")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, __file__, scenario, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_save_on_4x2_restore_on_2_and_8(tmp_path: Path) -> None:
+    _run("save_restore", tmp_path)
+
+
+def test_orbax_import_and_restore_elsewhere(tmp_path: Path) -> None:
+    _run("orbax", tmp_path)
+
+
+# ------------------------------------------------------------ in the subprocess
+def _values() -> dict[str, np.ndarray]:
+    import ml_dtypes
+
+    rng = np.random.default_rng(0)
+    return {
+        "params.w": rng.standard_normal((16, 8), dtype=np.float32),
+        "params.b": rng.standard_normal(8, dtype=np.float32),
+        "params.emb": rng.standard_normal((8, 6), dtype=np.float32).astype(ml_dtypes.bfloat16),
+        "opt.0.mu": rng.standard_normal((32, 4), dtype=np.float32),
+        "opt.1.count": np.arange(12, dtype=np.int32).reshape(4, 3),
+    }
+
+
+def _tree(mesh: Any, specs: dict[str, Any]) -> dict[str, Any]:
+    """The nested pytree of jax arrays placed with ``specs`` on ``mesh`` (numpy where spec is None)."""
+    import jax
+    from jax.sharding import NamedSharding
+    from reshard.store.tree import unflatten
+
+    flat = {}
+    for name, value in _values().items():
+        spec = specs[name]
+        flat[name] = value if spec is None else jax.device_put(value, NamedSharding(mesh, spec))
+    tree = unflatten(flat)
+    tree["opt"] = [tree["opt"]["0"], tree["opt"]["1"]]  # a list, named by index
+    return tree
+
+
+def _check(tree: Any, shardings: dict[str, Any]) -> None:
+    import jax
+    from reshard.store.frontends.jax import key_name
+
+    want = _values()
+    flat = {key_name(p): v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    for name, sharding in shardings.items():
+        array = flat[name]
+        assert array.sharding == sharding, (name, array.sharding)
+        assert array.dtype == want[name].dtype, name
+        np.testing.assert_array_equal(np.asarray(array), want[name], err_msg=name)
+        for shard in array.addressable_shards:  # every device holds exactly its region
+            np.testing.assert_array_equal(np.asarray(shard.data), want[name][shard.index])
+
+
+def scenario_save_restore(tmp: Path) -> None:
+    import jax
+    import reshard.store as rs
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from reshard.layouts import Layout
+    from reshard.store.frontends import jax as rj
+
+    devices = np.array(jax.devices())
+    assert devices.size == 8
+    # a mesh whose device order is not the id order: ranks are device ids in mesh order
+    mesh = Mesh(devices[[1, 0, 3, 2, 5, 4, 7, 6]].reshape(4, 2), ("data", "model"))
+    specs = {"params.w": P("data", "model"), "params.b": P("model"), "params.emb": P(None, "model"),
+             "opt.0.mu": P(("data", "model")), "opt.1.count": None}
+    tree = _tree(mesh, specs)
+    tree["step"], tree["name"] = 7, "run-1"
+    rj.save(tree, str(tmp / "ck"))
+
+    ckpt = rs.open(str(tmp / "ck"))
+    want = _values()
+    assert set(ckpt.arrays) == set(want)
+    for name, value in want.items():
+        np.testing.assert_array_equal(ckpt.read(name), value, err_msg=name)
+    ids = [1, 0, 3, 2, 5, 4, 7, 6]
+    axes = [("data", 4), ("model", 2)]
+    assert ckpt["params.w"].layout == Layout.from_jax(axes, ("data", "model"), (16, 8), ranks=ids)
+    assert ckpt["params.w"].layout.region(0) == (slice(0, 4), slice(4, 8))  # device 0 sits at mesh (0, 1)
+    assert ckpt["params.b"].meta.shard == (4,)  # replicated over "data": one writer per block
+    assert ckpt["params.emb"].meta.dtype == "bfloat16"
+    assert ckpt["opt.1.count"].layout.ranks == (0,)
+    assert ckpt.leaves == {"step": 7, "name": "run-1"}
+
+    # onto a (2,) mesh of devices 6 and 3: each reads only its half
+    two = Mesh(devices[[6, 3]], ("x",))
+    target2: dict[str, Any] = {"params": {"w": NamedSharding(two, P("x")), "b": NamedSharding(two, P()),
+                          "emb": NamedSharding(two, P(None, "x"))},
+               "opt": [{"mu": NamedSharding(two, P("x"))}, {"count": NamedSharding(two, P("x"))}],
+               "step": None}
+    opened = rs.open(str(tmp / "ck"))
+    out = rj.restore(opened, target2)
+    _check(out, {"params.w": target2["params"]["w"], "params.b": target2["params"]["b"],
+                 "params.emb": target2["params"]["emb"], "opt.0.mu": target2["opt"][0]["mu"],
+                 "opt.1.count": target2["opt"][1]["count"]})
+    assert out["step"] == 7
+    # replicated "b" is read once although two devices hold it: every region once
+    assert opened.stats.bytes_delivered == sum(v.nbytes for v in want.values())
+
+    # onto all 8 devices in a (8,) mesh, with ShapeDtypeStruct targets (one casts)
+    eight = Mesh(devices, ("x",))
+    sds = jax.ShapeDtypeStruct
+    target8 = {"params": {"w": sds((16, 8), np.float32, sharding=NamedSharding(eight, P("x"))),
+                          "b": sds((8,), np.float32, sharding=NamedSharding(eight, P("x"))),
+                          "emb": sds((8, 6), np.float32, sharding=NamedSharding(eight, P("x")))}}
+    out8 = rj.restore(str(tmp / "ck"), target8)
+    assert out8["params"]["emb"].dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(out8["params"]["emb"]), want["params.emb"].astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(out8["params"]["w"]), want["params.w"])
+    assert [s.data.shape for s in out8["params"]["w"].addressable_shards] == [(2, 8)] * 8
+
+    # one Sharding for everything: a nested dict back, leaves included
+    whole = rj.restore(str(tmp / "ck"), NamedSharding(two, P()))
+    np.testing.assert_array_equal(np.asarray(whole["opt"]["0"]["mu"]), want["opt.0.mu"])
+    assert whole["name"] == "run-1"
+
+
+def scenario_orbax(tmp: Path) -> None:
+    import jax
+    import orbax.checkpoint as ocp
+    import reshard.store as rs
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from reshard.layouts import Layout
+    from reshard.store.frontends import jax as rj
+
+    devices = np.array(jax.devices())
+    mesh = Mesh(devices.reshape(4, 2), ("data", "model"))
+    specs = {"params.w": P("data", "model"), "params.b": P("model"), "params.emb": P(None, "model"),
+             "opt.0.mu": P(("data", "model")), "opt.1.count": P("data")}
+    tree = _tree(mesh, specs)
+    tree["step"] = 7
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp / "orbax", tree)
+    checkpointer.wait_until_finished()
+    assert (tmp / "orbax" / "manifest.ocdbt").exists()  # the default: OCDBT, readable only via TensorStore
+
+    report = rj.import_orbax(str(tmp / "orbax"), str(tmp / "ck"), chunk_bytes=1 << 16)
+    assert report["tensors"] == 5 and report["skipped"] == []
+    ckpt = rs.open(str(tmp / "ck"))
+    want = _values()
+    for name, value in want.items():
+        got = ckpt.read(name)
+        assert got.dtype == value.dtype, name
+        np.testing.assert_array_equal(got, value, err_msg=name)
+    assert ckpt.leaves == {"step": 7}
+    # Orbax's saving sharding is kept as the saving layout
+    assert ckpt["params.w"].layout == Layout.from_jax([("data", 4), ("model", 2)], ("data", "model"), (16, 8))
+    assert ckpt["params.w"].meta.shard == (4, 4)
+
+    # and restores on another device count (Orbax itself ties it to the saving mesh)
+    three = Mesh(devices[:4].reshape(2, 2), ("a", "b"))
+    target = jax.tree_util.tree_map(lambda _: NamedSharding(three, P("a")), {k: v for k, v in tree.items()
+                                                                               if k != "step"})
+    target["params"]["b"] = NamedSharding(three, P("b"))
+    out = rj.restore(str(tmp / "ck"), target)
+    _check(out, {"params.w": target["params"]["w"], "params.b": target["params"]["b"],
+                 "opt.0.mu": target["opt"][0]["mu"]})
+
+    # the older per-array layout (no OCDBT), with a host array, a scalar and a string
+    legacy = {"a": np.arange(6.0).reshape(2, 3), "f": 1.5, "s": "hello", "j": tree["params"]["w"]}
+    ocp.PyTreeCheckpointer(use_ocdbt=False).save(tmp / "legacy", legacy)
+    assert not (tmp / "legacy" / "manifest.ocdbt").exists()
+    rj.import_orbax(str(tmp / "legacy"), str(tmp / "legacy-ck"))
+    ckpt = rs.open(str(tmp / "legacy-ck"))
+    assert ckpt.leaves == {"f": 1.5, "s": "hello"}
+    np.testing.assert_array_equal(ckpt.read("a"), legacy["a"])
+    np.testing.assert_array_equal(ckpt.read("j"), want["params.w"])
+
+
+if __name__ == "__main__":
+    globals()[f"scenario_{sys.argv[1]}"](Path(sys.argv[2]))
