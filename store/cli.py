@@ -117,11 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
                                                             "over dp (MindSpore optimizer sharding)")
     p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
     p.add_argument("--compression", choices=["zstd"], help="compress the new chunks")
-    p = add("export", cmd_export, "stream every tensor into one file (safetensors, npz, torch)", json_out=False)
+    p = add("export", cmd_export, "stream every tensor into one file (safetensors, npz, torch), "
+            "or into MindSpore per-rank files", json_out=False)
     p.add_argument("src")
-    p.add_argument("file")
-    p.add_argument("--format", choices=["safetensors", "npz", "torch"],
+    p.add_argument("file", help="the output file (a folder for --format mindspore)")
+    p.add_argument("--format", choices=["safetensors", "npz", "torch", "mindspore"],
                    help="default from FILE's extension: .npz, .pt/.pth (torch), else safetensors")
+    p.add_argument("--strategy", help="mindspore only: the target strategy file (rank_N/ folders are written)")
     p.add_argument("--prefix", default="", help="torch only: export the tensors under PREFIX, named without it "
                                                 "(--prefix model. gives a file for model.load_state_dict)")
     p = add("demo", cmd_demo, "save from 8 ranks, redivide to 7 and to 1, verify every byte")
@@ -538,7 +540,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     fmt = args.format or {".npz": "npz", ".pt": "torch", ".pth": "torch"}.get(Path(args.file).suffix, "safetensors")
     if args.prefix and fmt != "torch":
         args.parser.error("--prefix applies to --format torch only")
+    if (fmt == "mindspore") != bool(args.strategy):
+        args.parser.error("--format mindspore needs --strategy, and --strategy needs --format mindspore")
     t0 = time.perf_counter()
+    if fmt == "mindspore":
+        from .frontends.mindspore import export_mindspore
+
+        files = export_mindspore(args.src, args.file, Path(args.strategy).read_bytes(),
+                                 storage_options=storage_options(args.storage_option))
+        print(f"exported {len(files)} rank files under {args.file} in {time.perf_counter() - t0:.2f} s")
+        return 0
     if fmt == "torch":  # torch.save needs every tensor in memory at once
         from .frontends.torch import export_torch
 
