@@ -10,7 +10,9 @@ from reshard.layouts.errors import __all__ as _errors
 
 from .dtypes import SUPPORTED as SUPPORTED_DTYPES
 from .dtypes import register_zarr_dtypes
+from .export import export
 from .format import FORMAT_VERSION
+from .graph import LoadResult, load_many
 from .ops import redivide, save, save_pieces
 from .reader import Checkpoint, LazyTensor, open
 from .storage import IOStats
@@ -28,8 +30,11 @@ __all__ = [
     "CheckpointWriter",
     "IOStats",
     "LazyTensor",
+    "LoadResult",
     "commit",
     "create",
+    "export",
+    "load_many",
     "open",
     "redivide",
     "save",

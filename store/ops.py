@@ -2,23 +2,27 @@
 
 :func:`save` (single process, whole arrays), :func:`save_pieces` (single
 process, per-rank pieces) and :func:`redivide` (checkpoint -> checkpoint under
-new layouts, one target block in memory at a time).
+new layouts, as a dask graph within an in-flight byte budget).
 """
 
 from __future__ import annotations
 
-import json
+import functools
+import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from reshard.layouts import Layout
 
-from . import pool
+from . import graph, pool
+from .format import ArrayMeta
 from .reader import Checkpoint, open
-from .storage import IOStats
+from .shard import encode_shard
+from .storage import IOStats, Storage
 from .tree import LayoutSpec, flatten, resolve_layout
-from .writer import CheckpointWriter, create, manifest_key
+from .writer import CheckpointWriter, create
 
 
 def _all_ranks(layouts: Mapping[str, Layout]) -> list[int]:
@@ -53,7 +57,8 @@ def save(state: Mapping[str, Any], url: str, layouts: LayoutSpec | None = None, 
     return writer
 
 
-def save_pieces(pieces: Mapping[int, Mapping[str, Any]], url: str, layouts: LayoutSpec, **options: Any) -> CheckpointWriter:
+def save_pieces(pieces: Mapping[int, Mapping[str, Any]], url: str, layouts: LayoutSpec,
+                **options: Any) -> CheckpointWriter:
     """Save ``{rank: local state dict}`` (each rank's own pieces) and commit."""
     writer = create(url, layouts, **options)
     for rank, local in pieces.items():
@@ -62,20 +67,72 @@ def save_pieces(pieces: Mapping[int, Mapping[str, Any]], url: str, layouts: Layo
     return writer
 
 
-def redivide(src: str | Checkpoint, dst: str, layouts: LayoutSpec, **options: Any) -> IOStats:
-    """Write checkpoint ``src`` again at ``dst`` under new layouts.
+@dataclass(frozen=True)
+class CopyTask:
+    """Read target shards' regions from a source and write them as shards of ``dst``."""
 
-    Each target block is read from ``src`` once (replicas are not read again)
-    and written as the new shards; only one block per I/O thread is in memory.
-    Tensors a mapping of ``layouts`` does not name keep their saving layout.
+    source: graph.Source
+    dst: str
+    dst_options: Mapping[str, Any]
+    items: tuple[tuple[ArrayMeta, ArrayMeta, tuple[int, ...]], ...]  # (source, target, shard index)
+    budget: graph.BudgetRef
+
+
+def copy_task(task: CopyTask) -> IOStats:
+    """Task body of :func:`redivide`: its reads' and writes' counters."""
+    ckpt = graph.open_source(task.source)
+    storage = Storage(task.dst, dict(task.dst_options))
+    ops = [graph.ReadOp(src, out.shard_region(idx)) for src, out, idx in task.items]
+    with graph.budget(task.budget).hold(sum(op.nbytes for op in ops)):
+        arrays, stats = graph.read_ops(ckpt, ops)
+        pool.run_all([functools.partial(_write_shard, storage, out, idx, arr)
+                      for (_, out, idx), arr in zip(task.items, arrays, strict=True)], storage.local)
+    stats.add(**{k: v for k, v in storage.stats.as_dict().items() if k in ("writes", "bytes_written", "retries")})
+    return stats
+
+
+def _write_shard(storage: Storage, meta: ArrayMeta, idx: tuple[int, ...], data: np.ndarray) -> None:
+    storage.write(meta.shard_key(idx), encode_shard(data, meta))
+
+
+def redivide(src: str | Checkpoint, dst: str, layouts: LayoutSpec, *, scheduler: Any = None,
+             budget: int = graph.DEFAULT_BUDGET, fusion: int | str | None = None,
+             fuse_bytes: int = graph.DEFAULT_FUSE_BYTES, gap: int | None = None, progress: bool | None = None,
+             **options: Any) -> IOStats:
+    """Write checkpoint ``src`` again at ``dst`` under new layouts, as one dask graph.
+
+    Each target shard is read from ``src`` once (replicas are not read again)
+    and written by one task; small shards are fused into tasks. At most
+    ``budget`` bytes of shard data are in flight per process (a single shard
+    larger than that is handled alone). Tensors a mapping of ``layouts`` does
+    not name keep their saving layout.
+
+    Parameters
+    ----------
+    src : str or Checkpoint
+        The source checkpoint (``src_storage_options=`` in ``options`` for a URL).
+    dst : str
+        Where the new checkpoint goes.
+    layouts : mapping or callable
+        Target layouts.
+    scheduler : None, "threads", "sync" or dask.distributed.Client
+        Where the tasks run; on a cluster every worker must reach ``src`` and
+        ``dst`` by URL.
+    budget : int
+        In-flight byte budget per process.
+    fusion, fuse_bytes, gap, progress
+        As for :func:`reshard.store.graph.load_many`.
+    **options
+        As for :func:`reshard.store.create` (shards are always written by
+        reshard's own encoder).
 
     Returns
     -------
     IOStats
-        Counters of the reads from ``src``.
+        Reads from ``src``, shards written to ``dst`` and tasks in the graph.
     """
+    ref = graph.BudgetRef.new(budget)
     ckpt = src if isinstance(src, Checkpoint) else open(src, storage_options=options.pop("src_storage_options", None))
-    before = ckpt.stats.snapshot()
     targets = {}
     for name, meta in ckpt.arrays.items():
         if isinstance(layouts, Mapping) and name not in layouts:
@@ -84,18 +141,29 @@ def redivide(src: str | Checkpoint, dst: str, layouts: LayoutSpec, **options: An
             targets[name] = ckpt._target(layouts, meta)
     writer = create(dst, targets, **options)
     metas = {n: writer.meta(n, targets[n], m.dtype) for n, m in ckpt.arrays.items()}
-    for name, meta in ckpt.arrays.items():
-        for block in targets[name].blocks():  # one block at a time: bounded memory
-            _copy_block(ckpt, writer, meta, metas[name], block.region)
-    for rank in _all_ranks(targets):
-        held = {n: m for n, m in metas.items() if rank in targets[n].ranks}
-        doc = writer._manifest(rank, held, ckpt.leaves)
-        writer.storage.write(manifest_key(rank), json.dumps(doc).encode())
+    items = [(meta, metas[name], idx) for name, meta in ckpt.arrays.items()
+             for block in targets[name].blocks() for idx in metas[name].shards_in(block.region)]
+    cap = graph.fusion_cap(fusion)
+    groups = graph.fuse(items, lambda it: math.prod(_extent(it[1], it[2])) * it[1].np_dtype.itemsize,
+                        cap, min(fuse_bytes, budget))
+    source = graph.source_of(ckpt, gap)
+    options_dst = dict(getattr(writer.storage.fs, "storage_options", None) or {})
+    dsk = {(f"reshard-redivide-{ref.token}", g): (copy_task, CopyTask(source, writer.url, options_dst,
+                                                                       tuple(group), ref))
+           for g, group in enumerate(groups)}
+    bar = graph.progress_bar(len(dsk), "redivide", progress)
+    try:
+        parts = graph.run(dsk, list(dsk), scheduler, bar)
+    finally:
+        graph.release(ref)
+        if bar is not None:
+            bar.close()
+    stats = graph.total(parts, len(dsk))
+    ckpt.storage.count(**{k: v for k, v in stats.as_dict().items() if k not in ("writes", "bytes_written")})
+    writer.write_manifests(metas, ckpt.leaves)
     writer.commit()
-    return ckpt.stats - before
+    return stats
 
 
-def _copy_block(ckpt: Checkpoint, writer: CheckpointWriter, src: Any, out: Any, region: tuple[slice, ...]) -> None:
-    dest = np.empty(tuple(r.stop - r.start for r in region), dtype=src.np_dtype)
-    ckpt.read_regions([(src, region, dest)])
-    pool.run_all(writer._shard_jobs(out, region, dest))
+def _extent(meta: ArrayMeta, idx: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(r.stop - r.start for r in meta.shard_region(idx))

@@ -11,8 +11,8 @@ from __future__ import annotations
 import functools
 import json
 import math
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from reshard.layouts import Layout
@@ -30,6 +30,9 @@ from .shard import Request, coalesce, decode_index, execute, plan_reads
 from .storage import IOStats, Storage
 from .tree import LayoutSpec, flatten, resolve_layout, unflatten
 from .writer import merge_manifests, read_manifests
+
+if TYPE_CHECKING:
+    from .graph import LoadResult
 
 Region = tuple[slice, ...]
 #: Byte gap under which two chunk reads of one shard become one request.
@@ -101,17 +104,18 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
     def read_regions(self, jobs: list[tuple[ArrayMeta, Region, np.ndarray]]) -> IOStats:
         """Fill destinations from stored regions: the one I/O path of every read.
 
-        Returns the counters of this call.
+        Returns the counters of this call (exact also when several threads read
+        through one checkpoint at once; ``self.stats`` sums every call).
         """
-        before = self.storage.stats.snapshot()
-        if self.engine != "fast":
+        delivered = sum(d.nbytes for _, _, d in jobs)
+        if self.engine != "fast":  # the general engines do their own I/O: only deliveries are known
             from .engines import read_with_engine
 
             for meta, region, dest in jobs:
                 dest[...] = read_with_engine(self, meta, region)
-            self.storage.count(bytes_delivered=sum(d.nbytes for _, _, d in jobs))
-            return self.storage.stats - before
-        blobs = self._fetch_indexes(jobs)
+            self.storage.count(bytes_delivered=delivered)
+            return IOStats(bytes_delivered=delivered)
+        blobs, index_bytes = self._fetch_indexes(jobs)
         work: list[tuple[Request, ArrayMeta, np.ndarray]] = []
         for meta, region, dest in jobs:
             reads = []
@@ -122,16 +126,20 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
                 work.append((Request(reads[0].key, 0, -1, tuple(reads)), meta, dest))
                 continue
             work += [(req, meta, dest) for req in coalesce(reads, self.gap)]
-        pool.run_all([functools.partial(execute, self.storage, *w, blobs.get(w[0].key)) for w in work],
-                     self.storage.local)
-        self.storage.count(bytes_delivered=sum(d.nbytes for _, _, d in jobs), tasks=len(work))
-        return self.storage.stats - before
+        fetched = pool.run_all([functools.partial(execute, self.storage, *w, blobs.get(w[0].key)) for w in work],
+                               self.storage.local)
+        self.storage.count(bytes_delivered=delivered, tasks=len(work))
+        requests = len(index_bytes) + sum(1 for w in work if w[0].key not in blobs)
+        return IOStats(requests=requests, bytes_fetched=sum(index_bytes) + sum(fetched),
+                       bytes_delivered=delivered, tasks=len(work))
 
-    def _fetch_indexes(self, jobs: list[tuple[ArrayMeta, Region, np.ndarray]]) -> dict[str, memoryview]:
+    def _fetch_indexes(self, jobs: list[tuple[ArrayMeta, Region, np.ndarray]]
+                       ) -> tuple[dict[str, memoryview], list[int]]:
         """Fetch the shard indexes the jobs need (cached for the checkpoint's life).
 
         A shard of at most ``small_shard_bytes`` is fetched whole, index and data in
-        one request; its bytes are returned (keyed by shard key) for this call only.
+        one request; its bytes are returned (keyed by shard key) for this call only,
+        with the bytes of each request made.
         """
         wanted: dict[str, ArrayMeta] = {}
         for meta, region, _ in jobs:
@@ -142,20 +150,23 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
                         wanted[key] = meta
         blobs: dict[str, memoryview] = {}
 
-        def fetch(key: str, meta: ArrayMeta) -> None:
+        def fetch(key: str, meta: ArrayMeta) -> int:
             n = meta.index_nbytes()
             try:
                 if math.prod(meta.shard) * meta.np_dtype.itemsize <= self.small_shard_bytes:
                     blob = memoryview(self.storage.read(key))
                     blobs[key], data = blob, bytes(blob[-n:])
+                    size = blob.nbytes
                 else:
                     data = self.storage.read_suffix(key, n)
+                    size = len(data)
             except FileNotFoundError:
                 raise FormatError(f"tensor {meta.name!r}: shard {key!r} is missing from {self.url}") from None
             self._indexes[key] = decode_index(data, meta, key)
+            return size
 
-        pool.run_all([functools.partial(fetch, k, m) for k, m in wanted.items()], self.storage.local)
-        return blobs
+        sizes = pool.run_all([functools.partial(fetch, k, m) for k, m in wanted.items()], self.storage.local)
+        return blobs, sizes
 
     def read(self, name: str, region: Region | None = None) -> np.ndarray:
         """Read one tensor (or a region of it) into a new numpy array."""
@@ -206,6 +217,16 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
             result[name] = dest
         self.last_stats = self.read_regions(jobs)
         return unflatten(result)
+
+    def load_many(self, layouts: LayoutSpec, ranks: Iterable[int], **options: Any) -> LoadResult:
+        """Load many target ranks at once as one dask graph; see :func:`reshard.store.graph.load_many`.
+
+        Options: ``names``, ``scheduler`` (threads, ``"sync"`` or a
+        ``dask.distributed.Client``), ``fusion``, ``fuse_bytes``, ``gap``, ``progress``.
+        """
+        from .graph import load_many
+
+        return load_many(self, layouts, ranks, **options)
 
     def read_all(self) -> dict[str, Any]:
         """Every tensor whole (integration onto one host) plus the leaves."""

@@ -191,14 +191,16 @@ def coalesce(reads: Iterable[ChunkRead], gap: int, max_bytes: int = 64 << 20) ->
 
 # ------------------------------------------------------------------ execute
 def execute(storage: Storage, req: Request, meta: ArrayMeta, dest: np.ndarray,
-            blob: memoryview | None = None) -> None:
+            blob: memoryview | None = None) -> int:
     """Run one request: fetch its bytes, check crc32c, place every chunk.
 
     ``blob`` is the whole shard object when it was already fetched (small shards).
+    Returns the bytes fetched from storage.
     """
     if req.stop < 0:  # 0-d tensor: read the whole object
-        _place(memoryview(storage.read(req.key)), req.reads[0], meta, dest)
-        return
+        whole = storage.read(req.key)
+        _place(memoryview(whole), req.reads[0], meta, dest)
+        return len(whole)
     buffers: list[memoryview] = []
     temps: list[tuple[ChunkRead, memoryview, memoryview]] = []
     pos, gaps = req.start, []
@@ -216,7 +218,9 @@ def execute(storage: Storage, req: Request, meta: ArrayMeta, dest: np.ndarray,
         temps.append((r, data, crc))
     if blob is None:
         storage.read_into(req.key, req.start, buffers)
+        fetched = req.nbytes
     else:
+        fetched = 0
         at = req.start
         for b in buffers:
             b[:] = blob[at : at + b.nbytes]
@@ -229,6 +233,7 @@ def execute(storage: Storage, req: Request, meta: ArrayMeta, dest: np.ndarray,
             )
         if not r.direct:
             _decode_into(data, r, meta, dest)
+    return fetched
 
 
 def _place(data: memoryview, r: ChunkRead, meta: ArrayMeta, dest: np.ndarray) -> None:

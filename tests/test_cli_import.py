@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 import reshard.store as rs
 from reshard.layouts import Layout, dump_strategy
 from reshard.store.cli import main

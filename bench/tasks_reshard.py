@@ -1,0 +1,165 @@
+"""reshard's side of every phase (one rank each; see :mod:`bench.harness`).
+
+Arguments common to the tasks: ``workload``, ``cfg`` (sizes), ``url`` (the
+checkpoint), ``mesh`` (saving mesh) and ``target`` (loading mesh).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from typing import Any
+
+import numpy as np
+
+from bench import data
+from bench.harness import Ctx, Task
+
+
+def _layouts(args: dict[str, Any], mesh_key: str) -> dict[str, Any]:
+    mesh = tuple(args[mesh_key])
+    return {s.name: data.reshard_layout(args["workload"], s, mesh)
+            for s in data.tensors(args["workload"], args["cfg"])}
+
+
+def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        name = f"{prefix}.{k}" if prefix else k
+        out.update(flat(v, name) if isinstance(v, dict) else {name: v})
+    return out
+
+
+class Save(Task):
+    """Each rank ``create(url, layouts).write(rank, local)``; rank 0 commits once all wrote."""
+
+    def __init__(self, ctx: Ctx) -> None:
+        import reshard.store as rs
+
+        self.rs, self.ctx, self.url = rs, ctx, ctx.args["url"]
+        self.layouts = _layouts(ctx.args, "mesh")
+        self.ranks = sorted(set().union(*(lay.ranks for lay in self.layouts.values())))
+        self.local = {s.name: data.fill(s.index, self.layouts[s.name].region(ctx.rank), s.dtype)
+                      for s in data.tensors(ctx.args["workload"], ctx.args["cfg"])
+                      if ctx.rank in self.layouts[s.name].ranks}
+
+    def prepare(self, rep: int) -> None:
+        if self.ctx.rank == 0 and "://" not in self.url:
+            shutil.rmtree(self.url, ignore_errors=True)
+
+    def run(self, rep: int) -> dict[str, Any]:
+        options = {"storage_options": self.ctx.args.get("storage_options"), "overwrite": True}
+        writer = self.rs.create(self.url, self.layouts, **options)
+        writer.write(self.ctx.rank, self.local)
+        if self.ctx.rank == 0:  # the barrier a training job has anyway: wait for the manifests
+            for r in self.ranks:
+                while not writer.storage.exists(f".reshard/ranks/{r}.json"):
+                    time.sleep(0.001)
+            writer.commit()
+        return writer.storage.stats.as_dict()
+
+
+class SaveWhole(Task):
+    """One process saves whole arrays with ``reshard.store.save`` (W2)."""
+
+    def __init__(self, ctx: Ctx) -> None:
+        import reshard.store as rs
+
+        self.rs, self.url = rs, ctx.args["url"]
+        self.state = {s.name: data.fill(s.index, data.whole(s.shape), s.dtype)
+                      for s in data.tensors(ctx.args["workload"], ctx.args["cfg"])}
+
+    def prepare(self, rep: int) -> None:
+        shutil.rmtree(self.url, ignore_errors=True)
+
+    def run(self, rep: int) -> dict[str, Any]:
+        return self.rs.save(self.state, self.url).storage.stats.as_dict()
+
+
+class Load(Task):
+    """``open(url).load(layouts_target, rank)``: one rank of the target layout reads its part."""
+
+    def __init__(self, ctx: Ctx) -> None:
+        import reshard.store as rs
+
+        self.rs, self.ctx = rs, ctx
+        self.layouts = _layouts(ctx.args, "target")
+        self.got: dict[str, Any] = {}
+        self.options = ctx.args.get("storage_options")
+
+    def run(self, rep: int) -> dict[str, Any]:
+        ckpt = self.rs.open(self.ctx.args["url"], storage_options=self.options)
+        self.got = flat(ckpt.load(self.layouts, self.ctx.rank))
+        return ckpt.stats.as_dict()
+
+    def finish(self) -> dict[str, Any]:
+        specs = data.tensors(self.ctx.args["workload"], self.ctx.args["cfg"])
+        needed = sum(a.nbytes for a in self.got.values() if isinstance(a, np.ndarray))
+        regions = {n: lay.region(self.ctx.rank) for n, lay in self.layouts.items()}
+        return {"checked": data.check(specs, regions, self.got), "needed": needed}
+
+
+class ReadAll(Task):
+    """Integration onto one host: ``open(url, engine=...).read_all()`` (engine ``fast`` by default)."""
+
+    def __init__(self, ctx: Ctx) -> None:
+        import reshard.store as rs
+
+        self.rs, self.ctx = rs, ctx
+        self.got: dict[str, Any] = {}
+
+    def run(self, rep: int) -> dict[str, Any]:
+        ckpt = self.rs.open(self.ctx.args["url"], engine=self.ctx.args.get("engine", "fast"))
+        self.got = flat(ckpt.read_all())
+        return ckpt.stats.as_dict()
+
+    def finish(self) -> dict[str, Any]:
+        specs = data.tensors(self.ctx.args["workload"], self.ctx.args["cfg"])
+        return {"checked": data.check(specs, {s.name: data.whole(s.shape) for s in specs}, self.got)}
+
+
+class OpenInspect(Task):
+    """``open(url)`` and read every tensor's metadata (name, shape, dtype, layout)."""
+
+    def __init__(self, ctx: Ctx) -> None:
+        import reshard.store as rs
+
+        self.rs, self.ctx, self.count = rs, ctx, 0
+
+    def run(self, rep: int) -> dict[str, Any]:
+        ckpt = self.rs.open(self.ctx.args["url"])
+        seen = 0
+        for name in ckpt:
+            t = ckpt[name]
+            seen += len(t.shape) + len(str(t.dtype)) + len(t.layout.ranks) > 0
+        self.count = seen
+        return {"tensors": seen}
+
+
+class Export(Task):
+    """``open(url).export(path, "safetensors")``: one file, streamed."""
+
+    def __init__(self, ctx: Ctx) -> None:
+        import reshard.store as rs
+
+        self.rs, self.ctx = rs, ctx
+        self.path = ctx.args["out"]
+
+    def prepare(self, rep: int) -> None:
+        if os.path.exists(self.path):
+            os.remove(self.path)
+
+    def run(self, rep: int) -> dict[str, Any]:
+        ckpt = self.rs.open(self.ctx.args["url"])
+        ckpt.export(self.path, "safetensors")
+        return ckpt.stats.as_dict()
+
+    def finish(self) -> dict[str, Any]:
+        from safetensors import safe_open
+
+        specs = data.tensors(self.ctx.args["workload"], self.ctx.args["cfg"])
+        with safe_open(self.path, framework="numpy") as f:
+            s = specs[-1]
+            ok = np.array_equal(f.get_tensor(s.name), data.fill(s.index, data.whole(s.shape), s.dtype))
+        return {"file_bytes": os.path.getsize(self.path), "checked_last": bool(ok)}

@@ -1,0 +1,343 @@
+"""Export a checkpoint to ONE file (safetensors or npz), streaming.
+
+Every tensor is cut into slabs, regions that are contiguous runs of its
+C-order bytes, of at most ``min(fuse_bytes, budget)`` bytes (aligned to the
+stored inner chunks where they can be), and small tensors are fused into
+tasks (see :mod:`reshard.store.graph`). Peak memory is the in-flight byte
+``budget``, not the model.
+
+* safetensors to a local path: the header is written first, then tasks read
+  their slabs and ``pwrite`` them at their final offsets, in parallel
+  (with a dask.distributed client the path must be visible to every worker:
+  a shared filesystem). The file appears under its name only once complete.
+* npz, and safetensors to an fsspec URL: tasks run in waves of at most
+  ``budget`` bytes and this process writes their results in order.
+
+safetensors header: 8-byte little-endian length, then JSON
+``{name: {"dtype", "shape", "data_offsets"}, "__metadata__": {...}}`` padded
+with spaces to a multiple of 8 bytes; data offsets are relative to the end of
+the header. npz: a zip (stored, zip64) of ``<name>.npy`` members, as
+``numpy.savez`` writes; bfloat16 and float8 members hold their bit patterns as
+``uint16``/``uint8`` (numpy has no such types). The zip comment holds
+``{"reshard": {"dtypes": {name: real dtype}, "leaves": {...}}}`` (or, when over
+the 64 KiB a comment allows, names the member that does); view such members
+back with ``ml_dtypes``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import zipfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from reshard.layouts.errors import BadNameError
+
+from . import graph
+from .format import ArrayMeta
+from .storage import IOStats
+
+if TYPE_CHECKING:
+    from .reader import Checkpoint
+
+Region = tuple[slice, ...]
+
+#: safetensors dtype names of the stored dtypes.
+SAFETENSORS_DTYPES = {
+    "bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "uint16": "U16", "int32": "I32",
+    "uint32": "U32", "int64": "I64", "uint64": "U64", "float16": "F16", "bfloat16": "BF16",
+    "float32": "F32", "float64": "F64", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+}
+#: npz holds these as unsigned ints of the same width (their bit patterns).
+NPZ_AS_BITS = {"bfloat16": "<u2", "float8_e4m3fn": "|u1", "float8_e5m2": "|u1"}
+#: Member holding the npz note when it is too long for the zip comment.
+NPZ_NOTE = "reshard.json"
+
+
+# -------------------------------------------------------------------- plan
+def slabs(meta: ArrayMeta, max_bytes: int) -> list[Region]:
+    """Cut a tensor into regions that are contiguous in C order, each at most ``max_bytes``.
+
+    The first dim whose trailing extent fits is cut; cuts fall on inner-chunk
+    boundaries when a slab holds at least one chunk's extent. A single
+    element larger than ``max_bytes`` is still one slab.
+    """
+    shape = meta.shape
+    if not shape or math.prod(shape) == 0:
+        return [tuple(slice(0, n) for n in shape)]
+    item = meta.np_dtype.itemsize
+    d = next(d for d in range(len(shape)) if item * math.prod(shape[d + 1:]) <= max_bytes or d == len(shape) - 1)
+    k = max(1, max_bytes // (item * math.prod(shape[d + 1:])))
+    if k >= meta.chunk[d]:
+        k -= k % meta.chunk[d]
+    tail = tuple(slice(0, n) for n in shape[d + 1:])
+    return [
+        (*(slice(i, i + 1) for i in outer), slice(lo, min(lo + k, shape[d])), *tail)
+        for outer in itertools.product(*map(range, shape[:d]))
+        for lo in range(0, shape[d], k)
+    ]
+
+
+@dataclass(frozen=True)
+class Slab:
+    """A region of one tensor and where its bytes go in the output file."""
+
+    meta: ArrayMeta
+    region: Region
+    offset: int
+
+    @property
+    def op(self) -> graph.ReadOp:
+        return graph.ReadOp(self.meta, self.region)
+
+
+@dataclass(frozen=True)
+class WriteTask:
+    """Read fused slabs and ``pwrite`` them into ``path`` (local safetensors)."""
+
+    source: graph.Source
+    slabs: tuple[Slab, ...]
+    path: str
+    budget: graph.BudgetRef
+
+
+def write_task(task: WriteTask) -> IOStats:
+    """Task body of the local safetensors export."""
+    ckpt = graph.open_source(task.source)
+    ops = [s.op for s in task.slabs]
+    with graph.budget(task.budget).hold(sum(op.nbytes for op in ops)):
+        arrays, stats = graph.read_ops(ckpt, ops)
+        fd = os.open(task.path, os.O_WRONLY)
+        try:
+            for s, arr in zip(task.slabs, arrays, strict=True):
+                _pwrite_all(fd, _bytes(arr), s.offset)
+        finally:
+            os.close(fd)
+    return stats
+
+
+def _bytes(arr: np.ndarray) -> memoryview:
+    flat: Any = arr.reshape(-1).view(np.uint8)
+    return memoryview(flat)
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data.nbytes:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+# ------------------------------------------------------------------ export
+def export(ckpt: Checkpoint, path: str, format: str = "safetensors", names: Iterable[str] | None = None,
+           progress: bool | None = None, *, scheduler: Any = None, budget: int = graph.DEFAULT_BUDGET,
+           fusion: int | str | None = None, fuse_bytes: int = graph.DEFAULT_FUSE_BYTES, gap: int | None = None,
+           metadata: dict[str, str] | None = None, storage_options: dict[str, Any] | None = None) -> IOStats:
+    """Stream tensors of a checkpoint into one safetensors or npz file.
+
+    Parameters
+    ----------
+    ckpt : Checkpoint
+        The open checkpoint.
+    path : str
+        Output file: a local path or an fsspec URL. Replaced if it exists.
+    format : {"safetensors", "npz"}
+        Output format.
+    names : iterable of str, optional
+        Tensors to export, in this order (default: all, sorted by name).
+    progress : bool, optional
+        A progress bar; default only when stderr is a TTY.
+    scheduler : None, "threads", "sync" or dask.distributed.Client
+        Where the read tasks run.
+    budget : int
+        Bytes of tensor data in flight at once (per process); peak memory is
+        about this, whatever the model's size.
+    fusion, fuse_bytes, gap
+        I/O fusion cap, bytes per fused task, coalescing gap: see
+        :func:`reshard.store.graph.load_many`.
+    metadata : dict of str to str, optional
+        safetensors ``__metadata__`` entries, added to ``{"format": "pt"}`` and
+        the checkpoint's non-tensor leaves as JSON under ``"reshard.leaves"``.
+    storage_options : dict, optional
+        fsspec options for a remote ``path``.
+
+    Returns
+    -------
+    IOStats
+        Reads from the checkpoint (requests, bytes fetched and delivered), the
+        file written (``writes=1``, ``bytes_written``) and the graph's tasks.
+    """
+    if format not in ("safetensors", "npz"):
+        raise ValueError(f"format must be 'safetensors' or 'npz', got {format!r}")
+    metas = [ckpt[n].meta for n in (sorted(ckpt.arrays) if names is None else names)]
+    cap = graph.fusion_cap(fusion)
+    ref = graph.BudgetRef.new(budget)
+    if format == "safetensors":
+        header, offsets = safetensors_header(metas, ckpt.leaves, metadata)
+    else:
+        header, offsets = b"", [0] * len(metas)
+    per_task = min(fuse_bytes, ref.limit)
+    pieces = [Slab(m, r, off + _flat_offset(m, r)) for m, off in zip(metas, offsets, strict=True)
+              for r in slabs(m, per_task)]
+    groups = graph.fuse(pieces, lambda s: s.op.nbytes, cap, per_task)
+    source = graph.source_of(ckpt, gap)
+    bar = graph.progress_bar(len(groups), f"export {format}", progress)
+    local = "://" not in str(path) or str(path).startswith("file://")
+    try:
+        if format == "safetensors" and local:
+            parts, size = _export_local(str(path).removeprefix("file://"), header, pieces, groups, source,
+                                        ref, scheduler, bar)
+        else:
+            parts, size = _export_stream(path, format, header, metas, groups, source, ref, scheduler, bar,
+                                         storage_options, ckpt.leaves)
+    finally:
+        graph.release(ref)
+        if bar is not None:
+            bar.close()
+    stats = graph.total(parts, len(groups))
+    ckpt.storage.count(**stats.as_dict())
+    stats.add(writes=1, bytes_written=size)
+    return stats
+
+
+def _flat_offset(meta: ArrayMeta, region: Region) -> int:
+    if not meta.shape or math.prod(meta.shape) == 0:
+        return 0
+    start = np.ravel_multi_index(tuple(r.start for r in region), meta.shape)
+    return int(start) * meta.np_dtype.itemsize
+
+
+def safetensors_header(metas: list[ArrayMeta], leaves: dict[str, Any],
+                       metadata: dict[str, str] | None = None) -> tuple[bytes, list[int]]:
+    """The header bytes (length prefix included) and each tensor's absolute file offset."""
+    extra: dict[str, str] = {"format": "pt"}
+    if leaves:
+        extra["reshard.leaves"] = json.dumps(leaves)
+    extra.update(metadata or {})
+    doc: dict[str, Any] = {"__metadata__": extra}
+    pos, starts = 0, []
+    for m in metas:
+        if m.name == "__metadata__":
+            raise BadNameError("a tensor named '__metadata__' cannot be stored in safetensors")
+        doc[m.name] = {"dtype": SAFETENSORS_DTYPES[m.dtype], "shape": list(m.shape),
+                       "data_offsets": [pos, pos + m.nbytes]}
+        starts.append(pos)
+        pos += m.nbytes
+    raw = json.dumps(doc, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    head = len(raw).to_bytes(8, "little") + raw
+    return head, [len(head) + s for s in starts]
+
+
+def _export_local(path: str, header: bytes, pieces: list[Slab], groups: list[list[Slab]],
+                  source: graph.Source, ref: graph.BudgetRef, scheduler: Any, bar: Any) -> tuple[list[IOStats], int]:
+    tmp = f"{path}.partial"
+    size = len(header) + sum(p.op.nbytes for p in pieces)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(header)
+            f.truncate(size)
+        prefix = f"reshard-export-{ref.token}"
+        dsk = {(prefix, g): (write_task, WriteTask(source, tuple(group), tmp, ref))
+               for g, group in enumerate(groups)}
+        parts = graph.run(dsk, list(dsk), scheduler, bar)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return parts, size
+
+
+def _waves(groups: list[list[Slab]], limit: int) -> list[list[list[Slab]]]:
+    """Consecutive task groups, at most ``limit`` bytes per wave (a larger group alone)."""
+    return graph.fuse(groups, lambda g: sum(s.op.nbytes for s in g), len(groups) or 1, limit)
+
+
+def _export_stream(path: str, format: str, header: bytes, metas: list[ArrayMeta], groups: list[list[Slab]],
+                   source: graph.Source, ref: graph.BudgetRef, scheduler: Any, bar: Any,
+                   storage_options: dict[str, Any] | None, leaves: dict[str, Any]) -> tuple[list[IOStats], int]:
+    """Compute waves of tasks and write their results in order through one file object."""
+    import fsspec
+
+    parts: list[IOStats] = []
+    fs, fpath = fsspec.core.url_to_fs(str(path), **(storage_options or {}))
+    try:
+        with fs.open(fpath, "wb") as raw:
+            sink = _NpzSink(raw, metas) if format == "npz" else _RawSink(raw, header)
+            for w, wave in enumerate(_waves(groups, ref.limit)):
+                prefix = f"reshard-export-{ref.token}-{w}"
+                dsk = {(prefix, g): (graph.read_task, graph.ReadTask(source, tuple(s.op for s in group)))
+                       for g, group in enumerate(wave)}
+                for group, (arrays, stats) in zip(wave, graph.run(dsk, list(dsk), scheduler, bar), strict=True):
+                    for s, arr in zip(group, arrays, strict=True):
+                        sink.write(s.meta, arr)
+                    parts.append(stats)
+                del dsk
+            sink.close(leaves)
+            size = raw.tell()
+    except BaseException:
+        if fs.exists(fpath):
+            fs.rm(fpath)
+        raise
+    return parts, size
+
+
+class _RawSink:
+    """safetensors to a stream: the header, then each slab in order."""
+
+    def __init__(self, raw: Any, header: bytes) -> None:
+        self.raw = raw
+        raw.write(header)
+
+    def write(self, meta: ArrayMeta, arr: np.ndarray) -> None:
+        self.raw.write(_bytes(arr))
+
+    def close(self, leaves: dict[str, Any]) -> None:
+        pass
+
+
+class _NpzSink:
+    """npz to a stream: one stored ``.npy`` member per tensor (every tensor has at least one slab)."""
+
+    def __init__(self, raw: Any, metas: list[ArrayMeta]) -> None:
+        self.zip = zipfile.ZipFile(raw, "w", zipfile.ZIP_STORED, allowZip64=True)
+        self.dtypes = {m.name: m.dtype for m in metas if m.dtype in NPZ_AS_BITS}
+        self.name: str | None = None
+        self.member: Any = None
+
+    def write(self, meta: ArrayMeta, arr: np.ndarray) -> None:
+        if meta.name != self.name:
+            if self.member is not None:
+                self.member.close()
+            dtype = np.dtype(NPZ_AS_BITS.get(meta.dtype, meta.np_dtype))
+            header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": meta.shape}
+            self.member = self.zip.open(_entry(f"{meta.name}.npy"), "w", force_zip64=True)
+            self.name = meta.name
+            try:
+                np.lib.format.write_array_header_1_0(self.member, header)
+            except ValueError:  # a header over 64 KiB needs format 2.0
+                np.lib.format.write_array_header_2_0(self.member, header)
+        self.member.write(_bytes(arr))
+
+    def close(self, leaves: dict[str, Any]) -> None:
+        if self.member is not None:
+            self.member.close()
+        note = json.dumps({"reshard": {"dtypes": self.dtypes, "leaves": leaves}}).encode()
+        if len(note) <= 0xFFFF:
+            self.zip.comment = note
+        else:  # a zip comment holds at most 64 KiB: a member then, named in the comment
+            self.zip.writestr(_entry(NPZ_NOTE), note)
+            self.zip.comment = json.dumps({"reshard": {"member": NPZ_NOTE}}).encode()
+        self.zip.close()
+
+
+def _entry(name: str) -> zipfile.ZipInfo:
+    """A zip member with a fixed timestamp: the same checkpoint exports to the same bytes."""
+    info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+    info.compress_type = zipfile.ZIP_STORED
+    return info

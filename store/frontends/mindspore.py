@@ -1,0 +1,562 @@
+"""MindSpore front end: per-rank ``.ckpt`` files and a strategy file <-> a reshard checkpoint.
+
+MindSpore itself is never imported. Its two file formats are read and written
+here with reshard's small protobuf wire codec:
+
+* ``checkpoint.proto`` (proto2): a ``.ckpt`` file is a concatenation of
+  one-``Value`` ``Checkpoint`` messages, ``Value{tag=1, tensor=2}``,
+  ``TensorProto{dims=1, tensor_type=2, tensor_content=3}``. ``dims == [0]`` is
+  a scalar; a ``str`` value holds UTF-32 text; a tensor over 512 MiB is split
+  along axis 0 into consecutive Values with the same tag and the full dims. An
+  optional trailer ``b"crc_num"`` + a 10-byte big-endian crc32 of everything
+  before it may end the file.
+* the strategy file (``node_strategy.proto`` or its JSON form, pipeline-merged
+  or not): parsed by :func:`reshard.layouts.parse_strategy`.
+
+:func:`import_mindspore` turns ``rank_N/*.ckpt`` plus the training strategy into
+one checkpoint (N -> zarr, one rank file mapped at a time, replica ranks' data
+never read); :func:`export_mindspore` writes ``rank_M/checkpoint_M.ckpt`` for any
+target strategy (what ``transform_checkpoints`` does, for any N -> M, 64 -> 56
+included), each rank reading only its own region.
+
+Optimizer state: a tensor named ``<prefix><param>`` (``moments.``, ``adam_m.``,
+``adam_v.``, ... see :data:`OPTIMIZER_PREFIXES`) that the strategy does not
+name itself uses ``<param>``'s entry, optimizer sharding included
+(``opt_weight_shard_size``; the shard step is implied by the layout). Tensors
+the strategy does not cover are whole copies on the ranks whose files hold them.
+"""
+
+from __future__ import annotations
+
+import builtins  # the module's `open` is reshard's reader
+import dataclasses
+import math
+import mmap
+import os
+import re
+import warnings
+import zlib
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from reshard.layouts import Layout, parse_strategy
+from reshard.layouts import _protowire as pw
+from reshard.layouts.errors import (
+    ChecksumError,
+    DTypeMismatchError,
+    FormatError,
+    LayoutError,
+    ShapeMismatchError,
+)
+
+from ..dtypes import dtype_name, numpy_dtype
+from ..reader import Checkpoint, open
+from ..tree import flatten
+from ..writer import create
+
+#: MindSpore ``tensor_type`` -> reshard dtype name.
+TYPES = {
+    "Int8": "int8", "UInt8": "uint8", "Int16": "int16", "UInt16": "uint16",
+    "Int32": "int32", "UInt32": "uint32", "Int64": "int64", "UInt64": "uint64",
+    "Float16": "float16", "Float32": "float32", "Float64": "float64",
+    "Bool": "bool", "BFloat16": "bfloat16",
+}
+_MS_TYPES = {v: k for k, v in TYPES.items()}
+#: MindSpore splits a tensor larger than this into several Values (``SLICE_SIZE``).
+SLICE_BYTES = 512 << 20
+#: Name prefixes of optimizer state that shares its parameter's strategy entry.
+OPTIMIZER_PREFIXES = ("moments.", "adam_m.", "adam_v.", "accum.", "mean_grad.", "mean_square.", "moment1.",
+                      "moment2.", "exp_avg.", "exp_avg_sq.")
+_CRC = b"crc_num"
+
+Header = tuple[tuple[int, ...], str]  # (shape, reshard dtype name or "str")
+
+
+# ------------------------------------------------------------ .ckpt codec
+def _map(path: str | os.PathLike[str]) -> memoryview:
+    """The file's bytes, memory-mapped read-only (pages load only when touched)."""
+    with builtins.open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return memoryview(b"")
+        return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+
+
+def _strip_crc(data: memoryview, check: bool, what: str) -> memoryview:
+    if len(data) < 17 or bytes(data[-17:-10]) != _CRC:
+        return data
+    body = data[:-17]
+    if check:
+        want = int.from_bytes(data[-10:], "big")
+        got = zlib.crc32(body)
+        if got != want:
+            raise ChecksumError(f"{what}: crc32 {got:#010x} does not match the trailer's {want:#010x}")
+    return body
+
+
+def _values(data: memoryview, what: str) -> list[tuple[str, tuple[int, ...], str, memoryview]]:
+    """``(tag, dims, tensor_type, content)`` of every Value, in file order (zero-copy)."""
+    out = []
+    for number, wire, value in pw.decode(data, copy=False):
+        if number != 1 or wire != pw.LEN or isinstance(value, int):
+            raise FormatError(f"{what}: not a MindSpore checkpoint (field {number}, wire type {wire})")
+        f = pw.fields(value, copy=False)
+        tag = pw.text(f.get(1, []), "tag")
+        tensor = f.get(2)
+        if not tensor or isinstance(tensor[-1][1], int):
+            warnings.warn(f"{what}: {tag!r} is not a plain tensor (a MapParameter?); skipped", stacklevel=3)
+            continue
+        t = pw.fields(tensor[-1][1], copy=False)
+        dims = tuple(pw.ints(t.get(1, [])))
+        ttype = pw.text(t.get(2, []), "tensor_type")
+        content = t.get(3, [(pw.LEN, b"")])[-1][1]
+        out.append((tag, dims, ttype, memoryview(content if not isinstance(content, int) else b"")))
+    return out
+
+
+def _decode(tag: str, dims: tuple[int, ...], ttype: str, parts: list[memoryview], what: str) -> np.ndarray | str:
+    nbytes = sum(len(p) for p in parts)
+    if ttype == "str":
+        raw = b"".join(bytes(p) for p in parts)
+        return str(np.frombuffer(raw, f"<U{len(raw) // 4}")[0]) if len(raw) >= 4 else ""
+    if ttype not in TYPES:
+        raise DTypeMismatchError(f"{what}: {tag!r} has tensor_type {ttype!r}; known: {sorted(TYPES)} and 'str'")
+    dtype = numpy_dtype(TYPES[ttype])
+    count = nbytes // dtype.itemsize
+    shape: tuple[int, ...] = () if dims == (0,) and count == 1 else dims
+    if math.prod(shape) != count or nbytes % dtype.itemsize:
+        raise ShapeMismatchError(f"{what}: {tag!r} has dims {list(dims)} but {nbytes} bytes of {ttype}")
+    buf = parts[0] if len(parts) == 1 else memoryview(b"".join(parts))
+    return np.frombuffer(buf, dtype).reshape(shape)
+
+
+def parse_ckpt(data: bytes | memoryview, *, check_crc: bool = True, what: str = "checkpoint") -> dict[str, Any]:
+    """Every value of a MindSpore ``.ckpt`` file's bytes.
+
+    Parameters
+    ----------
+    data : bytes or memoryview
+        The whole file (a memory map is read zero-copy).
+    check_crc : bool
+        Check the ``crc_num`` trailer when there is one (it is always stripped).
+    what : str
+        Name used in error messages.
+
+    Returns
+    -------
+    dict
+        ``{tag: numpy array (read-only, over data) or str}`` in file order;
+        split values are joined.
+
+    Raises
+    ------
+    FormatError, ChecksumError, DTypeMismatchError, ShapeMismatchError
+    """
+    body = _strip_crc(memoryview(data).cast("B"), check_crc, what)
+    grouped: dict[str, tuple[tuple[int, ...], str, list[memoryview]]] = {}
+    for tag, dims, ttype, content in _values(body, what):
+        if tag in grouped:
+            grouped[tag][2].append(content)
+        else:
+            grouped[tag] = (dims, ttype, [content])
+    return {tag: _decode(tag, dims, ttype, parts, what) for tag, (dims, ttype, parts) in grouped.items()}
+
+
+def read_ckpt(path: str | os.PathLike[str], *, check_crc: bool = True) -> dict[str, Any]:
+    """:func:`parse_ckpt` of a file, memory-mapped."""
+    return parse_ckpt(_map(path), check_crc=check_crc, what=str(path))
+
+
+def ckpt_headers(path: str | os.PathLike[str]) -> dict[str, Header]:
+    """``{tag: (shape, dtype name or "str")}`` of a file, touching only its headers."""
+    out: dict[str, Header] = {}
+    data = _map(path)
+    body = _strip_crc(data, False, str(path))
+    sizes: dict[str, int] = {}
+    for tag, dims, ttype, content in _values(body, str(path)):
+        if ttype != "str" and ttype not in TYPES:
+            raise DTypeMismatchError(f"{path}: {tag!r} has tensor_type {ttype!r}; known: {sorted(TYPES)} and 'str'")
+        sizes[tag] = sizes.get(tag, 0) + len(content)
+        itemsize = 4 if ttype == "str" else numpy_dtype(TYPES[ttype]).itemsize
+        scalar = dims == (0,) and sizes[tag] == itemsize and ttype != "str"
+        out[tag] = ((() if scalar or ttype == "str" else dims), "str" if ttype == "str" else TYPES[ttype])
+    return out
+
+
+def _header(tag: str, dims: Sequence[int], ttype: str, nbytes: int) -> bytes:
+    """Bytes of a one-Value Checkpoint message up to (not including) its tensor_content."""
+    tensor = pw.encode([*((1, d) for d in dims), (2, ttype)]) + pw.encode_varint(3 << 3 | pw.LEN)
+    tensor += pw.encode_varint(nbytes)
+    value = pw.encode([(1, tag)]) + pw.encode_varint(2 << 3 | pw.LEN) + pw.encode_varint(len(tensor) + nbytes)
+    value += tensor
+    return pw.encode_varint(1 << 3 | pw.LEN) + pw.encode_varint(len(value) + nbytes) + value
+
+
+def write_ckpt(path: str | os.PathLike[str], values: Mapping[str, Any], *, crc: bool = False,
+               slice_bytes: int = SLICE_BYTES) -> int:
+    """Write a MindSpore ``.ckpt`` file, as ``mindspore.save_checkpoint`` does.
+
+    Parameters
+    ----------
+    path : str or PathLike
+        The file (its folder is created).
+    values : mapping
+        ``{tag: numpy array or str}``, written in order; a 0-d array gets
+        ``dims=[0]``; ``str`` values are stored as UTF-32, like MindSpore.
+    crc : bool
+        Append the ``crc_num`` trailer (MindSpore >= 2.3 reads it; older
+        versions do not understand it).
+    slice_bytes : int
+        Tensors larger than this are split along axis 0 into several Values.
+
+    Returns
+    -------
+    int
+        Bytes written.
+    """
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    total = checksum = 0
+    with builtins.open(path, "wb") as f:
+        for tag, value in values.items():
+            for head, content in _pieces(tag, value, slice_bytes):
+                for chunk in (head, content):
+                    f.write(chunk)
+                    checksum = zlib.crc32(chunk, checksum)
+                    total += len(chunk)
+        if crc:
+            f.write(_CRC + checksum.to_bytes(10, "big"))
+            total += 17
+    return total
+
+
+def _pieces(tag: str, value: Any, slice_bytes: int) -> Iterable[tuple[bytes, memoryview]]:
+    if isinstance(value, str):
+        content = memoryview(np.array(value, dtype=f"<U{max(1, len(value))}").tobytes())  # UTF-32, as numpy
+        yield _header(tag, [0], "str", len(content)), content
+        return
+    arr = np.asarray(value)
+    arr = arr if arr.flags.c_contiguous else arr.copy()  # (ascontiguousarray would make a 0-d array 1-d)
+    name = dtype_name(arr.dtype)
+    if name not in _MS_TYPES:
+        raise DTypeMismatchError(f"{tag!r}: dtype {name} has no MindSpore tensor_type; known: {sorted(_MS_TYPES)}")
+    dims = list(arr.shape) or [0]
+    parts = [arr]
+    if arr.ndim and arr.nbytes > slice_bytes:
+        parts = np.array_split(arr, math.ceil(arr.nbytes / slice_bytes), axis=0)
+    for part in parts:
+        content = np.ascontiguousarray(part).reshape(-1).view(np.uint8).data
+        yield _header(tag, dims, _MS_TYPES[name], len(content)), content
+
+
+# ------------------------------------------------------------ strategies
+StrategyLike = str | os.PathLike[str] | bytes | Mapping[str, Any] | None
+
+
+def load_strategy(strategy: StrategyLike, shapes: Mapping[str, Sequence[int]] | None = None) -> dict[str, Layout]:
+    """``{param: Layout}`` of a strategy file path, its bytes, its parsed JSON, or layouts already.
+
+    ``None`` gives ``{}`` (every tensor a whole copy).
+    """
+    if strategy is None:
+        return {}
+    if isinstance(strategy, Mapping) and all(isinstance(v, Layout) for v in strategy.values()):
+        return dict(strategy)
+    if isinstance(strategy, (str, os.PathLike)):
+        strategy = Path(strategy).read_bytes()
+    return parse_strategy(strategy, shapes)
+
+
+def _raw_entries(data: bytes) -> dict[str, tuple[list[int], list[int], int]]:
+    """``{key: (dev_matrix, tensor_map, opt_weight_shard_size)}`` of a protobuf strategy."""
+    out = {}
+    for wire, item in pw.fields(data).get(3, []):
+        if wire != pw.LEN or isinstance(item, int):
+            continue
+        f = pw.fields(item)
+        lay = pw.fields(f[2][-1][1]) if 2 in f and not isinstance(f[2][-1][1], int) else {}
+        dims = [pw.ints(pw.fields(v).get(1, []), signed) for signed, n in ((False, 1), (True, 2))
+                for _, v in lay.get(n, [])[:1] if not isinstance(v, int)]
+        opt = pw.ints(lay.get(7, []))
+        if len(dims) == 2:
+            out[pw.text(f.get(1, []), "param_name")] = (dims[0], dims[1], opt[-1] if opt else 0)
+    return out
+
+
+def _infer_shapes(data: bytes, headers: Mapping[int, Mapping[str, Header]]) -> dict[str, list[int]]:
+    """Global shapes for a protobuf strategy that holds none: local shape x split counts.
+
+    The local shape comes from the stage's first rank file holding the tensor
+    (with optimizer sharding, dim 0 is also multiplied by the shard size).
+    Entries no file holds get a placeholder shape that any split divides.
+    """
+    shapes = {}
+    for key, (dev, tmap, opt) in _raw_entries(data).items():
+        m = re.match(r"^(\d+)-(.+)$", key)
+        stage, name = (int(m.group(1)), m.group(2)) if m else (0, key)
+        first = stage * math.prod(dev)
+        local = next((h[name][0] for r, h in sorted(headers.items())
+                      if r >= first and name in h and len(h[name][0]) == len(tmap)), (1,) * len(tmap))
+        shape = [n * (dev[len(dev) - 1 - t] if t >= 0 else 1) for n, t in zip(local, tmap, strict=True)]
+        if opt > 0 and shape:
+            shape[0] *= opt
+        shapes[key] = shape
+    return shapes
+
+
+def layout_for(name: str, layouts: Mapping[str, Layout], prefixes: Sequence[str] = OPTIMIZER_PREFIXES) -> Layout | None:
+    """The strategy layout of a tensor: its own entry, else its parameter's (``moments.X`` -> ``X``)."""
+    if name in layouts:
+        return layouts[name]
+    for prefix in prefixes:
+        if name.startswith(prefix) and name[len(prefix):] in layouts:
+            return layouts[name[len(prefix):]]
+    return None
+
+
+# ------------------------------------------------------------ rank files
+def rank_files(src: str | os.PathLike[str] | Mapping[int, Any], file_name: str | None = None) -> dict[int, Path]:
+    """``{rank: .ckpt path}`` found in ``src/rank_N/`` folders.
+
+    Parameters
+    ----------
+    src : path or mapping
+        The folder holding ``rank_0``, ``rank_1``..., or ``{rank: path}`` already.
+    file_name : str, optional
+        File name or glob inside each folder; ``{rank}`` is replaced by the
+        rank. Needed when a folder holds several ``.ckpt`` files.
+    """
+    if isinstance(src, Mapping):
+        return {int(r): Path(p) for r, p in src.items()}
+    root = Path(src)
+    if not root.is_dir():
+        raise FileNotFoundError(f"MindSpore checkpoint folder {root} does not exist")
+    out = {}
+    for folder in sorted(root.iterdir()):
+        m = re.fullmatch(r"rank_(\d+)", folder.name)
+        if not m or not folder.is_dir():
+            continue
+        rank = int(m.group(1))
+        found = sorted(folder.glob((file_name or "*.ckpt").replace("{rank}", str(rank))))
+        if len(found) > 1:
+            raise FormatError(f"{folder} holds several checkpoints {[p.name for p in found]}; pass file_name=")
+        if found:
+            out[rank] = found[0]
+    if not out:
+        raise FileNotFoundError(f"no rank_N/{file_name or '*.ckpt'} files under {root}")
+    return out
+
+
+# ------------------------------------------------------------ import
+def _replicated(holders: Mapping[int, Header], name: str) -> Layout:
+    shapes = {h[0] for h in holders.values()}
+    if len(shapes) != 1:
+        raise ShapeMismatchError(f"{name!r} is not in the strategy and its ranks hold different shapes "
+                                 f"{ {r: list(h[0]) for r, h in sorted(holders.items())} }")
+    ranks = tuple(sorted(holders))
+    return Layout(shapes.pop(), (len(ranks),), ranks)
+
+
+def _fits(layout: Layout, holders: Mapping[int, Header]) -> bool:
+    return all(r in layout.ranks and layout.local_shape(r) == shape for r, (shape, _) in holders.items())
+
+
+def _choose(name: str, strat: Layout | None, holders: Mapping[int, Header]) -> Layout:
+    """The saving layout that explains every holder's local shape.
+
+    Tried in order: the strategy's layout; the same without optimizer
+    sharding (an aggregated save); whole copies (an integrated save).
+    """
+    candidates = []
+    if strat is not None:
+        candidates.append(strat)
+        if strat.opt_shard is not None:
+            origin = {**(strat.origin or {}), "opt_shard_size": 0}
+            candidates.append(dataclasses.replace(strat, opt_shard=None, origin=origin))
+    for layout in candidates:
+        if _fits(layout, holders):
+            return layout
+    if strat is not None and {h[0] for h in holders.values()} != {tuple(strat.shape)}:
+        r, (shape, _) = min(holders.items())
+        want = strat.local_shape(r) if r in strat.ranks else "nothing (not among its ranks)"
+        raise ShapeMismatchError(f"{name!r}: rank {r}'s file holds shape {list(shape)}, "
+                                 f"strategy {strat.describe()} of shape {list(strat.shape)} gives it {want}")
+    return _replicated(holders, name)
+
+
+def _placeholder(shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """A zero-memory stand-in for a replica's piece: the writer skips replicas but checks shapes."""
+    return np.broadcast_to(np.zeros((), numpy_dtype(dtype)), shape)
+
+
+def import_mindspore(src_dir: str | os.PathLike[str] | Mapping[int, Any], dst_url: str, strategy: StrategyLike,
+                     *, shapes: Mapping[str, Sequence[int]] | None = None, file_name: str | None = None,
+                     check_crc: bool = True, prefixes: Sequence[str] = OPTIMIZER_PREFIXES,
+                     **options: Any) -> Checkpoint:
+    """Integrate MindSpore's per-rank checkpoint files into one reshard checkpoint.
+
+    Parameters
+    ----------
+    src_dir : path or mapping
+        Folder of ``rank_N/*.ckpt`` files, or ``{rank: path}``.
+    dst_url : str
+        Where the checkpoint goes (local path or fsspec URL).
+    strategy : path, bytes, dict, {name: Layout} or None
+        The training strategy file (protobuf or JSON, pipeline-merged if
+        pipelined). None: every file holds whole tensors.
+    shapes : mapping, optional
+        Global shapes for a protobuf strategy (inferred from the files if absent).
+    file_name : str, optional
+        See :func:`rank_files`.
+    check_crc : bool
+        Check the crc trailer of every file whose data is read.
+    prefixes : sequence of str
+        Optimizer-state prefixes; see :func:`layout_for`.
+    **options
+        As for :func:`reshard.store.create` (``overwrite``, ``compression``...).
+
+    Returns
+    -------
+    Checkpoint
+        The new checkpoint, opened.
+
+    Notes
+    -----
+    Every file's headers are scanned first (nothing is written if anything
+    disagrees); then the ranks are written one at a time, each file memory
+    mapped while its rank writes. Only ranks that hold some block as replica 0
+    have their tensor data read; a replica rank's file may even be missing
+    (``remove_redundancy`` saves).
+    """
+    files = rank_files(src_dir, file_name)
+    headers = {r: ckpt_headers(p) for r, p in sorted(files.items())}
+    try:
+        layouts = load_strategy(strategy, shapes)
+    except FormatError as e:
+        if "shape" not in str(e) or not isinstance(strategy, (str, os.PathLike, bytes)):
+            raise
+        data = Path(strategy).read_bytes() if not isinstance(strategy, bytes) else strategy
+        layouts = parse_strategy(data, {**_infer_shapes(data, headers), **(shapes or {})})
+    holders: dict[str, dict[int, Header]] = {}
+    for rank, h in headers.items():
+        for tag, head in h.items():
+            if head[1] != "str":
+                holders.setdefault(tag, {})[rank] = head
+    chosen: dict[str, Layout] = {}
+    dtypes: dict[str, str] = {}
+    for name, held in holders.items():
+        kinds = {h[1] for h in held.values()}
+        if len(kinds) != 1:
+            raise DTypeMismatchError(f"{name!r} has dtypes { {r: h[1] for r, h in held.items()} } across ranks")
+        dtypes[name] = kinds.pop()
+        chosen[name] = _choose(name, layout_for(name, layouts, prefixes), held)
+        lay = chosen[name]
+        lost = [r for r in lay.ranks if r not in held and lay.replica_id(r) == 0 and math.prod(lay.local_shape(r))]
+        if lost:
+            raise FormatError(f"{name!r}: ranks {lost} hold its blocks as replica 0 (no other copy) "
+                              f"but their files do not hold it (under {src_dir})")
+    writer = create(dst_url, chosen, **options)
+    for rank in sorted(set().union(*(lay.ranks for lay in chosen.values()), files)):
+        _import_rank(writer, rank, files.get(rank), headers.get(rank, {}), chosen, dtypes, check_crc)
+    writer.commit()
+    return open(dst_url, storage_options=options.get("storage_options"))
+
+
+def _import_rank(writer: Any, rank: int, path: Path | None, header: Mapping[str, Header],
+                 chosen: Mapping[str, Layout], dtypes: Mapping[str, str], check_crc: bool) -> None:
+    needed = [n for n, lay in chosen.items()
+              if rank in lay.ranks and lay.replica_id(rank) == 0 and math.prod(lay.local_shape(rank))]
+    strings = [t for t, h in header.items() if h[1] == "str"]
+    values = read_ckpt(path, check_crc=check_crc) if path is not None and (needed or strings) else {}
+    state: dict[str, Any] = {t: str(values[t]) for t in strings}
+    for name, lay in chosen.items():
+        if rank not in lay.ranks:
+            continue
+        if name in needed:
+            if name not in values:
+                raise FormatError(f"{name!r}: rank {rank} holds its block as replica 0 but "
+                                  f"{path or f'rank_{rank}'} does not hold it")
+            state[name] = values[name]
+        else:
+            state[name] = _placeholder(lay.local_shape(rank), dtypes[name])
+    writer.write(rank, state)
+
+
+# ------------------------------------------------------------ export
+def export_mindspore(src_url: str | Checkpoint, dst_dir: str | os.PathLike[str], strategy: StrategyLike = None,
+                     *, ranks: Iterable[int] | None = None, shapes: Mapping[str, Sequence[int]] | None = None,
+                     file_name: str = "checkpoint_{rank}.ckpt", crc: bool = False,
+                     prefixes: Sequence[str] = OPTIMIZER_PREFIXES,
+                     storage_options: dict[str, Any] | None = None) -> dict[int, Path]:
+    """Write ``dst_dir/rank_M/checkpoint_M.ckpt`` for a target strategy, from a reshard checkpoint.
+
+    Parameters
+    ----------
+    src_url : str or Checkpoint
+        The checkpoint to divide.
+    dst_dir : path
+        Output folder (``rank_M`` folders are created).
+    strategy : path, bytes, dict, {name: Layout} or None
+        The target strategy. Tensors it does not cover (directly or through
+        their parameter, see :func:`layout_for`) go whole into every target
+        rank's file. None: integration, one file with every tensor whole.
+    ranks : iterable of int, optional
+        Write only these ranks' files (default: every rank of the strategy).
+    shapes : mapping, optional
+        Global shapes for a protobuf strategy (default: the checkpoint's).
+    file_name : str
+        File name in each folder; ``{rank}`` is replaced by the rank.
+    crc : bool
+        Append MindSpore's ``crc_num`` trailer.
+    prefixes : sequence of str
+        Optimizer-state prefixes.
+    storage_options : dict, optional
+        fsspec options for ``src_url``.
+
+    Returns
+    -------
+    dict of int to Path
+        The file written for each rank.
+
+    Notes
+    -----
+    Each rank reads only its own region of each tensor (one rank's pieces in
+    memory at a time). Non-tensor leaves become 0-d tensors (int -> Int64,
+    float -> Float32, bool -> Bool) or ``str`` values; others are skipped.
+    """
+    ckpt = src_url if isinstance(src_url, Checkpoint) else open(src_url, storage_options=storage_options)
+    given = dict(shapes or {})
+    given.update({n: m.shape for n, m in ckpt.arrays.items() if n not in given})
+    strat = load_strategy(strategy, given)
+    all_ranks = sorted(set().union(*(lay.ranks for lay in strat.values()))) if strat else [0]
+    targets = {}
+    for name, meta in ckpt.arrays.items():
+        lay = layout_for(name, strat, prefixes)
+        if lay is not None and tuple(lay.shape) != meta.shape:
+            raise ShapeMismatchError(f"{name!r}: strategy shape {list(lay.shape)}, checkpoint holds {list(meta.shape)}")
+        targets[name] = lay if lay is not None else Layout(meta.shape, (len(all_ranks),), tuple(all_ranks))
+    leaves = {n: _leaf(v) for n, v in ckpt.leaves.items()}
+    written = {}
+    for rank in sorted(ranks) if ranks is not None else all_ranks:
+        if rank not in all_ranks:
+            raise LayoutError(f"rank {rank} is not in the target strategy's ranks {all_ranks[0]}..{all_ranks[-1]}")
+        tensors, _ = flatten(ckpt.load(targets, rank, names=[n for n, t in targets.items() if rank in t.ranks]),
+                             ckpt.arrays)
+        values = {**tensors, **{n: v for n, v in leaves.items() if v is not None}}
+        path = Path(dst_dir) / f"rank_{rank}" / file_name.replace("{rank}", str(rank))
+        write_ckpt(path, values, crc=crc)
+        written[rank] = path
+    return written
+
+
+def _leaf(value: Any) -> Any:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return np.array(value)
+    if isinstance(value, int):
+        return np.array(value, np.int64)
+    if isinstance(value, float):
+        return np.array(value, np.float32)
+    return None

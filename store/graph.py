@@ -1,0 +1,540 @@
+"""Dask graphs over a checkpoint: lazy dask arrays, loading many ranks at once.
+
+Also the machinery that :func:`reshard.store.redivide` and
+:func:`reshard.store.export.export` share: I/O fusion and reuse, the in-flight
+byte budget, pluggable schedulers and the progress bar. See ``docs/dask.md``.
+
+Tasks carry only plain, picklable records (:class:`Source`: the URL, the
+storage options, the engine and the read settings; :class:`ArrayMeta`;
+regions), never an open :class:`Checkpoint` with its locks and filesystem
+handles. A task re-opens the checkpoint from its :class:`Source` without any
+metadata read (the records it carries say everything), so the same graph runs
+on threads or on the processes of a ``dask.distributed`` cluster. Dask pickles
+the graph to ship it to workers: that is the task transport, not the
+checkpoint format, which stays JSON + zarr.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import math
+import os
+import sys
+import threading
+import uuid
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+
+from .format import ArrayMeta
+from .storage import IOStats, Storage
+from .tree import LayoutSpec, unflatten
+
+if TYPE_CHECKING:
+    from .reader import Checkpoint, LazyTensor
+
+T = TypeVar("T")
+Region = tuple[slice, ...]
+log = logging.getLogger("reshard")
+
+#: Fused operations one task may carry when fusion is on by default (``RESHARD_FUSION=-1``).
+DEFAULT_FUSION_CAP = 1000
+#: Bytes of tensor data one fused task may carry (a larger single operation runs alone).
+DEFAULT_FUSE_BYTES = 16 << 20
+#: Bytes of tensor data redivide and export hold in flight per process.
+DEFAULT_BUDGET = 256 << 20
+_OFF = ("0", "off", "false", "no", "none")
+
+
+# ------------------------------------------------------------------ fusion
+def fusion_cap(fusion: int | str | None = None) -> int:
+    """The effective fusion cap: fused operations per task, 0 when off.
+
+    Parameters
+    ----------
+    fusion : int or str, optional
+        ``None`` reads the environment variable ``RESHARD_FUSION``. Either way:
+        unset or ``-1`` gives the default cap (:data:`DEFAULT_FUSION_CAP`); a
+        positive int is the cap; ``0``/``off``/``false``/``no`` turns fusion
+        *and* reuse off (one task per tensor region and per rank: the naive
+        graph). Anything else turns them off too, with a warning.
+
+    The effective value is logged at INFO on the ``reshard`` logger.
+    """
+    origin = "argument"
+    if fusion is None:
+        env = os.environ.get("RESHARD_FUSION")
+        fusion, origin = (-1, "default") if env is None else (env, f"RESHARD_FUSION={env!r}")
+    text = str(fusion).strip().lower()
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+        if text not in _OFF:
+            log.warning("reshard: fusion setting %r (%s) is not -1, a positive int or off; fusion off",
+                        fusion, origin)
+    cap = DEFAULT_FUSION_CAP if value == -1 else max(0, value)
+    if value < -1:
+        log.warning("reshard: fusion setting %r (%s) is negative; fusion off", fusion, origin)
+    log.info("reshard: MAX_FUSED_OPS: %d (%s)%s", cap, origin, "" if cap else ": fusion and reuse off")
+    return cap
+
+
+def fuse(ops: Sequence[T], nbytes: Callable[[T], int], cap: int, max_bytes: int) -> list[list[T]]:
+    """Group consecutive operations into tasks of at most ``cap`` ops and ``max_bytes`` bytes.
+
+    An operation larger than ``max_bytes`` gets a task of its own; ``cap=0``
+    gives one task per operation.
+    """
+    if cap <= 0:
+        return [[op] for op in ops]
+    groups: list[list[T]] = []
+    group: list[T] = []
+    size = 0
+    for op in ops:
+        n = nbytes(op)
+        if group and (len(group) >= cap or size + n > max_bytes):
+            groups.append(group)
+            group, size = [], 0
+        group.append(op)
+        size += n
+    if group:
+        groups.append(group)
+    return groups
+
+
+# ----------------------------------------------------------------- sources
+@dataclass(frozen=True, eq=False)
+class Source:
+    """How a task reaches a checkpoint: plain, picklable data.
+
+    ``token`` names one open :class:`Checkpoint`: tasks of the same token in one
+    process share its cache of shard indexes (in the caller's process, the
+    open checkpoint's own cache, whose counters also receive the tasks' reads).
+    Credentials in ``storage_options`` travel inside the graph to the workers;
+    on a cluster prefer credentials from the workers' environment.
+    """
+
+    url: str
+    storage_options: Mapping[str, Any]
+    engine: str
+    gap: int
+    retries: int
+    token: str
+    small_shard_bytes: int | None = None
+
+
+_opened: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()  # token -> open checkpoint
+_indexes: OrderedDict[str, dict[str, np.ndarray]] = OrderedDict()  # token -> index cache, in workers
+_lock = threading.Lock()
+
+
+def source_of(ckpt: Checkpoint, gap: int | None = None) -> Source:
+    """The :class:`Source` of an open checkpoint (``gap`` overrides its coalescing gap)."""
+    with _lock:
+        token = vars(ckpt).setdefault("_graph_token", uuid.uuid4().hex)
+        _opened[token] = ckpt
+    storage = ckpt.storage
+    options = dict(getattr(storage.fs, "storage_options", None) or {})
+    return Source(storage.url, options, ckpt.engine, ckpt.gap if gap is None else int(gap),
+                  storage.retries, token, getattr(ckpt, "small_shard_bytes", None))
+
+
+def open_source(source: Source) -> Checkpoint:
+    """A private :class:`Checkpoint` for one task: its own counters, a shared index cache.
+
+    No metadata is read: tasks carry the :class:`ArrayMeta` of what they read.
+    """
+    from .reader import Checkpoint
+
+    storage = Storage(source.url, dict(source.storage_options), retries=source.retries)
+    ckpt = Checkpoint(storage, {}, {}, committed=True, engine=source.engine, gap=source.gap)
+    if source.small_shard_bytes is not None:
+        ckpt.small_shard_bytes = source.small_shard_bytes
+    home = _opened.get(source.token)
+    with _lock:
+        if home is not None:
+            ckpt._indexes = home._indexes
+        else:  # a worker process: a small LRU of index caches, one per checkpoint
+            cache = _indexes.pop(source.token, None)
+            _indexes[source.token] = cache if cache is not None else {}
+            while len(_indexes) > 16:
+                _indexes.popitem(last=False)
+            ckpt._indexes = _indexes[source.token]
+    return ckpt
+
+
+def count_home(source: Source, stats: IOStats) -> None:
+    """Add a task's counters to the caller's open checkpoint, if it lives in this process."""
+    home = _opened.get(source.token)
+    if home is not None:
+        home.storage.count(**stats.as_dict())
+
+
+def total(parts: Iterable[IOStats], tasks: int) -> IOStats:
+    """Sum of task counters; ``tasks`` is the number of tasks in the graph."""
+    out = IOStats()
+    for p in parts:
+        out.add(**p.as_dict())
+    out.tasks = tasks
+    return out
+
+
+# ------------------------------------------------------------------ budget
+class Budget:
+    """A byte semaphore: at most ``limit`` bytes of task data in flight.
+
+    A task asking for more than ``limit`` waits until nothing else is in
+    flight and then runs alone. ``peak`` is the most bytes held at once.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(1, int(limit))
+        self.used = 0
+        self.peak = 0
+        self._cond = threading.Condition()
+
+    @contextlib.contextmanager
+    def hold(self, nbytes: int) -> Iterator[None]:
+        n = max(0, int(nbytes))
+        with self._cond:
+            self._cond.wait_for(lambda: self.used == 0 or self.used + n <= self.limit)
+            self.used += n
+            self.peak = max(self.peak, self.used)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self.used -= n
+                self._cond.notify_all()
+
+
+@dataclass(frozen=True)
+class BudgetRef:
+    """Names one operation's :class:`Budget` in every process that runs its tasks."""
+
+    token: str
+    limit: int
+
+    @classmethod
+    def new(cls, limit: int) -> BudgetRef:
+        if int(limit) < 1:
+            raise ValueError(f"budget must be a positive number of bytes, got {limit!r}")
+        return cls(uuid.uuid4().hex, int(limit))
+
+
+_budgets: OrderedDict[str, Budget] = OrderedDict()
+
+
+def budget(ref: BudgetRef) -> Budget:
+    """This process's :class:`Budget` for ``ref`` (the limit applies per process)."""
+    with _lock:
+        if ref.token not in _budgets:
+            _budgets[ref.token] = Budget(ref.limit)
+            while len(_budgets) > 64:
+                _budgets.popitem(last=False)
+        return _budgets[ref.token]
+
+
+def release(ref: BudgetRef) -> None:
+    """Forget an operation's budget in this process."""
+    with _lock:
+        _budgets.pop(ref.token, None)
+
+
+# -------------------------------------------------------------- scheduling
+def progress_bar(total_tasks: int, desc: str, progress: bool | None) -> Any:
+    """A tqdm bar over tasks, or None (``progress=None``: only when stderr is a TTY)."""
+    if progress is None:
+        progress = sys.stderr.isatty()
+    if not progress or total_tasks == 0:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # progress is a nicety: never fail for it
+        log.info("reshard: install tqdm for progress bars")
+        return None
+    return tqdm(total=total_tasks, desc=desc, unit="task", leave=False)
+
+
+def run(dsk: Mapping[Any, Any], keys: list[Any], scheduler: Any = None, bar: Any = None) -> list[Any]:
+    """Compute ``keys`` of a task graph; the first failing task's exception is raised.
+
+    Parameters
+    ----------
+    dsk : mapping
+        ``{key: (function, record)}``.
+    keys : list
+        The keys to return, in order.
+    scheduler : None, "threads", "sync" or dask.distributed.Client
+        Threads of this process (default), inline (debugging), or a cluster.
+    bar : tqdm, optional
+        Advanced once per finished key.
+    """
+    if scheduler is None or scheduler == "threads":
+        import dask.threaded
+
+        with _bar_callback(bar, keys):
+            return list(dask.threaded.get(dsk, keys))
+    if scheduler in ("sync", "synchronous"):
+        import dask.local
+
+        with _bar_callback(bar, keys):
+            return list(dask.local.get_sync(dsk, keys))
+    if hasattr(scheduler, "get") and hasattr(scheduler, "gather"):
+        return _run_client(scheduler, dsk, keys, bar)
+    raise ValueError(f"scheduler must be None, 'threads', 'sync' or a dask.distributed.Client, got {scheduler!r}")
+
+
+def _run_client(client: Any, dsk: Mapping[Any, Any], keys: list[Any], bar: Any) -> list[Any]:
+    from distributed import as_completed
+
+    futures = client.get(dict(dsk), keys, sync=False)
+    try:
+        for f in as_completed(futures):
+            if f.status != "finished":
+                f.result()  # raises the task's own exception at the first failure
+            if bar is not None:
+                bar.update(1)
+        return list(client.gather(futures))
+    finally:
+        client.cancel(futures)  # on failure or Ctrl-C nothing keeps running; on success frees their memory
+
+
+def _bar_callback(bar: Any, keys: list[Any]) -> Any:
+    """A dask callback advancing ``bar`` as keys finish on a local scheduler."""
+    if bar is None:
+        return contextlib.nullcontext()
+    from dask.callbacks import Callback
+
+    wanted = set(keys)
+    return Callback(posttask=lambda key, *_: bar.update(1) if key in wanted else None)
+
+
+# ------------------------------------------------------------------- reads
+@dataclass(frozen=True)
+class ReadOp:
+    """One region of one stored tensor to read."""
+
+    meta: ArrayMeta
+    region: Region
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(r.stop - r.start for r in self.region)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.meta.np_dtype.itemsize
+
+
+@dataclass(frozen=True)
+class ReadTask:
+    """A fused task: several regions read with one ``read_regions`` call."""
+
+    source: Source
+    ops: tuple[ReadOp, ...]
+    shape: tuple[int, ...] | None = None  # to_dask: the block's shape with dropped dims removed
+
+
+def read_ops(ckpt: Checkpoint, ops: Sequence[ReadOp]) -> tuple[list[np.ndarray], IOStats]:
+    """Read regions into new arrays through the reader's single I/O path."""
+    dests = [np.empty(op.shape, dtype=op.meta.np_dtype) for op in ops]
+    stats = ckpt.read_regions([(op.meta, op.region, d) for op, d in zip(ops, dests, strict=True)])
+    return dests, stats
+
+
+def read_task(task: ReadTask) -> tuple[list[np.ndarray], IOStats]:
+    """Task body of :func:`load_many`: the arrays and this task's counters."""
+    return read_ops(open_source(task.source), task.ops)
+
+
+def read_block(task: ReadTask) -> np.ndarray:
+    """Task body of :func:`to_dask`: one dask chunk (counted onto the caller's checkpoint)."""
+    (dest,), stats = read_ops(open_source(task.source), task.ops)
+    stats.tasks = 1
+    count_home(task.source, stats)
+    return dest.reshape(task.shape if task.shape is not None else dest.shape)
+
+
+# ----------------------------------------------------------------- to_dask
+def chunk_step(meta: ArrayMeta, chunks: Any, ndim: int, keep: tuple[bool, ...]) -> tuple[int, ...]:
+    """Dask chunk extent per stored dim: the inner chunk times a multiple."""
+    if not meta.shape:
+        return ()
+    if chunks is None:
+        return meta.chunk
+    if chunks == "shard":
+        return meta.shard
+    if chunks == "auto":
+        import dask
+        from dask.utils import parse_bytes
+
+        target = parse_bytes(dask.config.get("array.chunk-size"))
+        size, step = meta.np_dtype.itemsize * math.prod(meta.chunk), list(meta.chunk)
+        for d in reversed(range(len(step))):  # trailing dims first: blocks stay C-contiguous runs
+            m = max(1, min(meta.chunks_per_shard[d], target // max(1, size)))
+            step[d] *= m
+            size *= m
+        return tuple(step)
+    multiples = (chunks,) * ndim if isinstance(chunks, int) else tuple(chunks)
+    if len(multiples) != ndim or not all(isinstance(m, int) and m >= 1 for m in multiples):
+        raise ValueError(f"chunks must be None, 'auto', 'shard', a positive int or {ndim} positive ints "
+                         f"(multiples of the stored chunk {meta.chunk}), got {chunks!r}")
+    it = iter(multiples)
+    return tuple(c * next(it) if k else c for c, k in zip(meta.chunk, keep, strict=True))
+
+
+def _cuts(r: slice, step: int) -> list[tuple[int, int]]:
+    if r.stop <= r.start:
+        return [(r.start, r.start)]
+    bounds = [r.start, *range((r.start // step + 1) * step, r.stop, step), r.stop]
+    return list(itertools.pairwise(bounds))
+
+
+def to_dask(tensor: LazyTensor, chunks: Any = None) -> Any:
+    """A lazy ``dask.array.Array`` over a stored tensor or a view of it.
+
+    Parameters
+    ----------
+    tensor : LazyTensor
+        A tensor of an open checkpoint, possibly sliced (``ckpt["w"][10:20, 3]``).
+    chunks : None, "auto", "shard", int or tuple of int
+        ``None``: the stored inner chunks (the read unit; edge blocks of a view
+        are cut at the view's bounds). An int ``m`` (or one per dim of the
+        view): ``m`` inner chunks per dask chunk along each dim. ``"shard"``:
+        one dask chunk per stored shard. ``"auto"``: inner chunks grouped, within
+        a shard, up to dask's ``array.chunk-size``.
+
+    Each block is read through ``Checkpoint.read_regions`` by its own task,
+    which carries the checkpoint's URL and the tensor's record, so the array
+    computes on threads or on a dask.distributed cluster.
+    """
+    import dask.array as da
+    from dask.base import tokenize
+
+    meta, region, keep = tensor.meta, tensor.region, tensor.keep
+    step = chunk_step(meta, chunks, tensor.ndim, keep)
+    source = source_of(tensor.ckpt)
+    cuts = [_cuts(r, s) for r, s in zip(region, step, strict=True)]
+    name = f"reshard-{meta.name}-{tokenize(source.token, meta.name, region, keep, step)}"
+    dsk: dict[Any, Any] = {}
+    for idx in np.ndindex(*(len(c) for c in cuts)):
+        block = tuple(slice(*cuts[d][i]) for d, i in enumerate(idx))
+        shape = tuple(b.stop - b.start for b, k in zip(block, keep, strict=True) if k)
+        key = (name, *(i for i, k in zip(idx, keep, strict=True) if k))
+        dsk[key] = (read_block, ReadTask(source, (ReadOp(meta, block),), shape))
+    out_chunks = tuple(tuple(b - a for a, b in c) for c, k in zip(cuts, keep, strict=True) if k)
+    return da.Array(dsk, name, out_chunks, dtype=meta.np_dtype)
+
+
+# --------------------------------------------------------------- load_many
+class LoadResult(dict[int, dict[str, Any]]):
+    """``{rank: nested state dict}`` with the counters of the load as ``.stats``."""
+
+    def __init__(self, data: Mapping[int, dict[str, Any]], stats: IOStats) -> None:
+        super().__init__(data)
+        self.stats = stats
+
+
+@dataclass
+class _Plan:
+    ops: list[ReadOp] = field(default_factory=list)
+    owners: list[tuple[str, list[int]]] = field(default_factory=list)
+
+
+def load_many(ckpt: Checkpoint, layouts: LayoutSpec, ranks: Iterable[int], *, names: Any = None,
+              scheduler: Any = None, fusion: int | str | None = None, fuse_bytes: int = DEFAULT_FUSE_BYTES,
+              gap: int | None = None, progress: bool | None = None) -> LoadResult:
+    """Load the pieces of many target ranks at once, as one dask graph.
+
+    Parameters
+    ----------
+    ckpt : Checkpoint
+        The open checkpoint.
+    layouts : mapping or callable
+        Target layouts, as for ``Checkpoint.load``.
+    ranks : iterable of int
+        Target ranks to load.
+    names : iterable of str, optional
+        Restrict to these tensors.
+    scheduler : None, "threads", "sync" or dask.distributed.Client
+        Where the graph runs; on a cluster the workers re-open the checkpoint
+        by URL and the arrays come back to this process.
+    fusion : int or str, optional
+        Fusion cap (see :func:`fusion_cap`; default from ``RESHARD_FUSION``).
+        On: a region held by several of ``ranks`` (replicas) is read once and
+        the same array is given to each of them; small regions are fused into
+        tasks of up to ``fusion`` regions and ``fuse_bytes`` bytes. Off: one
+        task per tensor and rank.
+    fuse_bytes : int
+        Byte cap of one fused task.
+    gap : int, optional
+        Coalescing gap (bytes) between chunk reads of one shard; default the
+        checkpoint's.
+    progress : bool, optional
+        A progress bar; default only when stderr is a TTY.
+
+    Returns
+    -------
+    LoadResult
+        ``{rank: nested dict}``, each equal to ``ckpt.load(layouts, rank)``.
+        Replicas share one array (copy before writing into it). ``.stats``:
+        requests, bytes fetched and delivered, tasks in the graph.
+    """
+    cap = fusion_cap(fusion)
+    ranks = list(dict.fromkeys(int(r) for r in ranks))
+    local: dict[int, dict[str, Any]] = {r: dict(ckpt.leaves) for r in ranks}
+    plan = _plan_loads(ckpt, layouts, ranks, names, cap > 0, local)
+    groups = fuse(list(range(len(plan.ops))), lambda i: plan.ops[i].nbytes, cap, fuse_bytes)
+    source = source_of(ckpt, gap)
+    prefix = f"reshard-load-{uuid.uuid4().hex}"
+    dsk = {(prefix, g): (read_task, ReadTask(source, tuple(plan.ops[i] for i in group)))
+           for g, group in enumerate(groups)}
+    keys = list(dsk)
+    bar = progress_bar(len(keys), "load", progress)
+    try:
+        results = run(dsk, keys, scheduler, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    for group, (arrays, _) in zip(groups, results, strict=True):
+        for i, arr in zip(group, arrays, strict=True):
+            name, owners = plan.owners[i]
+            for r in owners:
+                local[r][name] = arr
+    stats = total((s for _, s in results), len(keys))
+    ckpt.storage.count(**stats.as_dict())
+    ckpt.last_stats = stats
+    return LoadResult({r: unflatten(local[r]) for r in ranks}, stats)
+
+
+def _plan_loads(ckpt: Checkpoint, layouts: LayoutSpec, ranks: list[int], names: Any, reuse: bool,
+                local: dict[int, dict[str, Any]]) -> _Plan:
+    """One read per distinct region (``reuse``) or per rank; empty regions need no read."""
+    plan = _Plan()
+    for name, meta in ckpt._select(layouts, names):
+        layout = ckpt._target(layouts, meta)
+        members = set(layout.ranks)
+        by_region: dict[Any, tuple[Region, list[int]]] = {}
+        for r in ranks:
+            if r not in members:
+                continue
+            region = layout.region(r)
+            key = tuple((s.start, s.stop) for s in region) if reuse else r
+            by_region.setdefault(key, (region, []))[1].append(r)
+        for region, owners in by_region.values():
+            op = ReadOp(meta, region)
+            if op.shape and math.prod(op.shape) == 0:
+                for r in owners:
+                    local[r][name] = np.empty(op.shape, dtype=meta.np_dtype)
+                continue
+            plan.ops.append(op)
+            plan.owners.append((name, owners))
+    return plan
