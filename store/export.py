@@ -185,19 +185,17 @@ def export(ckpt: Checkpoint, path: str, format: str = "safetensors", names: Iter
               for r in slabs(m, per_task)]
     groups = graph.fuse(pieces, lambda s: s.op.nbytes, cap, per_task)
     source = graph.source_of(ckpt, gap)
-    bar = graph.progress_bar(len(groups), f"export {format}", progress)
     local = "://" not in str(path) or str(path).startswith("file://")
     try:
-        if format == "safetensors" and local:
-            parts, size = _export_local(str(path).removeprefix("file://"), header, pieces, groups, source,
-                                        ref, scheduler, bar)
-        else:
-            parts, size = _export_stream(path, format, header, metas, groups, source, ref, scheduler, bar,
-                                         storage_options, ckpt.leaves)
+        with graph.progress_bar(len(groups), f"export {format}", progress) as bar:
+            if format == "safetensors" and local:
+                parts, size = _export_local(str(path).removeprefix("file://"), header, pieces, groups, source,
+                                            ref, scheduler, bar)
+            else:
+                parts, size = _export_stream(path, format, header, metas, groups, source, ref, scheduler, bar,
+                                             storage_options, ckpt.leaves)
     finally:
         graph.release(ref)
-        if bar is not None:
-            bar.close()
     stats = graph.total(parts, len(groups))
     ckpt.storage.count(**stats.as_dict())
     stats.add(writes=1, bytes_written=size)

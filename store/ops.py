@@ -151,13 +151,11 @@ def redivide(src: str | Checkpoint, dst: str, layouts: LayoutSpec, *, scheduler:
     dsk = {(f"reshard-redivide-{ref.token}", g): (copy_task, CopyTask(source, writer.url, options_dst,
                                                                        tuple(group), ref))
            for g, group in enumerate(groups)}
-    bar = graph.progress_bar(len(dsk), "redivide", progress)
     try:
-        parts = graph.run(dsk, list(dsk), scheduler, bar)
+        with graph.progress_bar(len(dsk), "redivide", progress) as bar:
+            parts = graph.run(dsk, list(dsk), scheduler, bar)
     finally:
         graph.release(ref)
-        if bar is not None:
-            bar.close()
     stats = graph.total(parts, len(dsk))
     ckpt.storage.count(**{k: v for k, v in stats.as_dict().items() if k not in ("writes", "bytes_written")})
     writer.write_manifests(metas, ckpt.leaves)

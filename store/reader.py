@@ -26,7 +26,7 @@ from reshard.layouts.errors import (
 
 from . import pool
 from .format import COMMIT_KEY, FORMAT_VERSION, ArrayMeta, tensor_name
-from .shard import Request, coalesce, decode_index, execute, plan_reads
+from .shard import SMALL_SHARD_BYTES, Request, coalesce, decode_index, execute, plan_reads
 from .storage import IOStats, Storage
 from .tree import LayoutSpec, flatten, resolve_layout, unflatten
 from .writer import merge_manifests, read_manifests
@@ -37,8 +37,10 @@ if TYPE_CHECKING:
 Region = tuple[slice, ...]
 #: Byte gap under which two chunk reads of one shard become one request.
 DEFAULT_GAP = 64 << 10
-#: Shards up to this many bytes are read whole (index and data in one request).
-SMALL_SHARD_BYTES = 256 << 10
+#: Local files: bytes of one request that go through a scratch buffer (chunks
+#: that do not land directly in the destination) stay under this, so the
+#: scratch stays in cache and never is a large fresh allocation.
+LOCAL_TEMP_BYTES = 2 << 20
 
 
 class Checkpoint(Mapping[str, "LazyTensor"]):
@@ -115,37 +117,38 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
                 dest[...] = read_with_engine(self, meta, region)
             self.storage.count(bytes_delivered=delivered)
             return IOStats(bytes_delivered=delivered)
-        blobs, index_bytes = self._fetch_indexes(jobs)
+        keys = [[(shard, meta.shard_key(shard)) for shard in meta.shards_in(region)] for meta, region, _ in jobs]
+        blobs, index_bytes = self._fetch_indexes(jobs, keys)
+        temp = LOCAL_TEMP_BYTES if self.storage.local else None
         work: list[tuple[Request, ArrayMeta, np.ndarray]] = []
-        for meta, region, dest in jobs:
+        for (meta, region, dest), shards in zip(jobs, keys, strict=True):
             reads = []
-            for shard in meta.shards_in(region):
-                key = meta.shard_key(shard)
+            for shard, key in shards:
                 reads += plan_reads(meta, region, self._indexes.get(key), shard, key, dest)
             if not meta.shape:
                 work.append((Request(reads[0].key, 0, -1, tuple(reads)), meta, dest))
                 continue
-            work += [(req, meta, dest) for req in coalesce(reads, self.gap)]
-        fetched = pool.run_all([functools.partial(execute, self.storage, *w, blobs.get(w[0].key)) for w in work],
-                               self.storage.local)
+            work += [(req, meta, dest) for req in coalesce(reads, self.gap, max_temp=temp)]
+        fetched = pool.run_batched([functools.partial(execute, self.storage, *w, blobs.get(w[0].key)) for w in work],
+                                   [w[0].nbytes for w in work], self.storage.local)
         self.storage.count(bytes_delivered=delivered, tasks=len(work))
         requests = len(index_bytes) + sum(1 for w in work if w[0].key not in blobs)
         return IOStats(requests=requests, bytes_fetched=sum(index_bytes) + sum(fetched),
                        bytes_delivered=delivered, tasks=len(work))
 
-    def _fetch_indexes(self, jobs: list[tuple[ArrayMeta, Region, np.ndarray]]
-                       ) -> tuple[dict[str, memoryview], list[int]]:
+    def _fetch_indexes(self, jobs: list[tuple[ArrayMeta, Region, np.ndarray]],
+                       keys: list[list[tuple[tuple[int, ...], str]]]) -> tuple[dict[str, memoryview], list[int]]:
         """Fetch the shard indexes the jobs need (cached for the checkpoint's life).
 
-        A shard of at most ``small_shard_bytes`` is fetched whole, index and data in
-        one request; its bytes are returned (keyed by shard key) for this call only,
-        with the bytes of each request made.
+        ``keys`` holds each job's (shard, key) pairs. A shard of at most
+        ``small_shard_bytes`` is fetched whole, index and data in one request;
+        its bytes are returned (keyed by shard key) for this call only, with
+        the bytes of each request made.
         """
         wanted: dict[str, ArrayMeta] = {}
-        for meta, region, _ in jobs:
+        for (meta, _, _), shards in zip(jobs, keys, strict=True):
             if meta.shape:
-                for shard in meta.shards_in(region):
-                    key = meta.shard_key(shard)
+                for _, key in shards:
                     if key not in self._indexes:
                         wanted[key] = meta
         blobs: dict[str, memoryview] = {}
@@ -153,7 +156,7 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
         def fetch(key: str, meta: ArrayMeta) -> int:
             n = meta.index_nbytes()
             try:
-                if math.prod(meta.shard) * meta.np_dtype.itemsize <= self.small_shard_bytes:
+                if small[key]:
                     blob = memoryview(self.storage.read(key))
                     blobs[key], data = blob, bytes(blob[-n:])
                     size = blob.nbytes
@@ -165,7 +168,10 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
             self._indexes[key] = decode_index(data, meta, key)
             return size
 
-        sizes = pool.run_all([functools.partial(fetch, k, m) for k, m in wanted.items()], self.storage.local)
+        small = {k: math.prod(m.shard) * m.np_dtype.itemsize <= self.small_shard_bytes for k, m in wanted.items()}
+        sizes = pool.run_batched([functools.partial(fetch, k, m) for k, m in wanted.items()],
+                                 [math.prod(m.shard) * m.np_dtype.itemsize if small[k] else m.index_nbytes()
+                                  for k, m in wanted.items()], self.storage.local)
         return blobs, sizes
 
     def read(self, name: str, region: Region | None = None) -> np.ndarray:
@@ -198,22 +204,26 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
         Returns
         -------
         dict
-            Nested dict of numpy arrays, plus the non-tensor leaves.
+            Nested dict of numpy arrays, plus the non-tensor leaves. The arrays
+            this call allocates are views of one buffer (see :func:`allocate`):
+            its memory is freed once the last of them is dropped.
         """
         given = flatten(out, self.arrays)[0] if out is not None else {}
-        jobs = []
-        result: dict[str, Any] = dict(self.leaves)
+        wanted = []
         for name, meta in self._select(layouts, names):
             layout = self._target(layouts, meta)
-            if rank not in layout.ranks:
-                continue
-            shape = layout.local_shape(rank)
-            dest = given[name] if name in given else np.empty(shape, dtype=meta.np_dtype)
+            if rank in layout.ranks:
+                wanted.append((name, meta, layout.local_shape(rank), layout.region(rank)))
+        fresh = iter(allocate([(shape, meta.np_dtype) for name, meta, shape, _ in wanted if name not in given]))
+        jobs = []
+        result: dict[str, Any] = dict(self.leaves)
+        for name, meta, shape, region in wanted:
+            dest = given[name] if name in given else next(fresh)
             if dest.shape != shape or dest.dtype != meta.np_dtype:
                 raise ShapeMismatchError(
                     f"tensor {meta.name!r}: out buffer is {dest.dtype}{list(dest.shape)}, "
                     f"rank {rank} needs {meta.dtype}{list(shape)}")
-            jobs.append((meta, layout.region(rank), dest))
+            jobs.append((meta, region, dest))
             result[name] = dest
         self.last_stats = self.read_regions(jobs)
         return unflatten(result)
@@ -343,6 +353,29 @@ class LazyTensor:
         from .graph import to_dask
 
         return to_dask(self, chunks)
+
+
+#: Alignment of each array inside a buffer from :func:`allocate` (a cache line).
+ALIGN = 64
+
+
+def allocate(specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> list[np.ndarray]:
+    """New C-contiguous arrays of the given shapes and dtypes, as views of one buffer.
+
+    One large allocation instead of many: numpy asks the kernel for transparent
+    huge pages on allocations from 4 MiB up, and the first write to fresh
+    memory (the page faults) is what dominates loading from the page cache.
+    Measured on the bench machine: first touch of 256 KiB to 3 MiB arrays
+    runs at about 1.2 GiB/s, of one large buffer at about 7 GiB/s.
+    """
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
+    starts, total = [], 0
+    for n in sizes:
+        starts.append(total)
+        total += -(-n // ALIGN) * ALIGN
+    buf = np.empty(total, dtype=np.uint8)
+    return [buf[at : at + n].view(dtype).reshape(shape)
+            for at, n, (shape, dtype) in zip(starts, sizes, specs, strict=True)]
 
 
 def open(url: str, *, allow_uncommitted: bool = False, storage_options: dict[str, Any] | None = None,

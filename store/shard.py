@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import crc32c as _crc
 import numpy as np
@@ -24,6 +25,9 @@ from .format import MISSING, ArrayMeta
 from .storage import Storage
 
 Region = tuple[slice, ...]
+#: Shards up to this many bytes are read whole (index and data in one request)
+#: and written as one inner chunk.
+SMALL_SHARD_BYTES = 256 << 10
 
 
 def crc32c(data: Any) -> int:
@@ -89,8 +93,7 @@ def decode_index(data: bytes, meta: ArrayMeta, key: str) -> np.ndarray:
 
 
 # --------------------------------------------------------------------- plan
-@dataclass(frozen=True)
-class ChunkRead:
+class ChunkRead(NamedTuple):
     """One inner chunk to read and where its wanted part goes.
 
     ``offset``/``nbytes`` locate the stored bytes (crc included) in shard ``key``;
@@ -122,18 +125,46 @@ class Request:
 
 def chunks_in(meta: ArrayMeta, shard: tuple[int, ...], region: Region) -> Iterator[tuple[int, Region]]:
     """(flat index in shard, global chunk region) of inner chunks meeting ``region``."""
+    for flat, chunk, *_ in _chunk_parts(meta, shard, region):
+        yield flat, chunk
+
+
+def _chunk_parts(meta: ArrayMeta, shard: tuple[int, ...], region: Region, shape: tuple[int, ...] = ()
+                 ) -> Iterator[tuple[int, Region, Region, Region, bool, bool]]:
+    """Per inner chunk meeting ``region``: flat index, global chunk region, ``src``,
+    ``dst``, whether the chunk is wanted whole, and whether ``dst`` is one
+    contiguous run of a C-contiguous destination of ``shape`` (when given).
+
+    Per-dim options are computed once, then combined (W3 plans some 1,500 chunk
+    reads per rank, so the per-chunk cost matters).
+    """
     per = meta.chunks_per_shard
-    ranges = []
+    dims = []
     for d, (i, s, k, r) in enumerate(zip(shard, meta.shard, meta.chunk, region, strict=True)):
-        lo = max(r.start, i * s) - i * s
-        hi = min(r.stop, (i + 1) * s, meta.shape[d]) - i * s
-        ranges.append(range(lo // k, -(-hi // k)) if hi > lo else range(0))
-    for c in itertools.product(*ranges):
-        flat = int(np.ravel_multi_index(c, per)) if per else 0
-        yield flat, tuple(
-            slice(i * s + j * k, i * s + (j + 1) * k)
-            for i, s, j, k in zip(shard, meta.shard, c, meta.chunk, strict=True)
-        )
+        base = i * s
+        lo = max(r.start, base) - base
+        hi = min(r.stop, base + s, meta.shape[d]) - base
+        full = shape[d] if shape else -1
+        opts = []
+        for j in range(lo // k, -(-hi // k)) if hi > lo else ():
+            c0 = base + j * k
+            a, b = max(c0, r.start), min(c0 + k, r.stop)
+            opts.append((j, slice(c0, c0 + k), slice(a - c0, b - c0), slice(a - r.start, b - r.start),
+                         a == c0 and b == c0 + k, b - a == full, b - a == 1))
+        dims.append(opts)
+    step = [math.prod(per[d + 1:]) for d in range(len(per))]
+    for combo in itertools.product(*dims):
+        js, chunk, src, dst, whole, fulls, ones = zip(*combo, strict=True)
+        yield sum(map(operator.mul, js, step)), chunk, src, dst, all(whole), _run(fulls, ones)
+
+
+def _run(fulls: tuple[bool, ...], ones: tuple[bool, ...]) -> bool:
+    """A region is one run of a C-order array when every dim before the last
+    partial dim has extent 1 (numpy's C-contiguity of the view, without the view)."""
+    for d in range(len(fulls) - 1, -1, -1):
+        if not fulls[d]:
+            return all(ones[:d])
+    return True
 
 
 def plan_reads(
@@ -144,33 +175,40 @@ def plan_reads(
 
     ``dest`` (when given) lets the planner mark reads that can land directly.
     """
-    out = []
     if not meta.shape:  # 0-d: one chunk, the whole object
         return [ChunkRead(key, 0, -1, (), (), False)]
     assert index is not None
-    for flat, chunk in chunks_in(meta, shard, region):
-        off, n = (int(x) for x in index[flat])
-        if index[flat][0] == MISSING:
+    pairs = index.tolist()
+    plain = dest is not None and meta.compressor is None
+    contiguous = dest is not None and bool(dest.flags.c_contiguous)
+    shape = dest.shape if dest is not None and contiguous else ()
+    out = []
+    for flat, _, src, dst, whole, run in _chunk_parts(meta, shard, region, shape):
+        off, n = pairs[flat]
+        if off == _MISSING:
             raise FormatError(
                 f"tensor {meta.name!r}: chunk {flat} of {key!r} is missing inside the array"
             )
-        inter = tuple(
-            slice(max(c.start, r.start), min(c.stop, r.stop)) for c, r in zip(chunk, region, strict=True)
-        )
-        src = tuple(slice(i.start - c.start, i.stop - c.start) for i, c in zip(inter, chunk, strict=True))
-        dst = tuple(slice(i.start - r.start, i.stop - r.start) for i, r in zip(inter, region, strict=True))
-        direct = (
-            dest is not None
-            and meta.compressor is None
-            and inter == chunk
-            and dest[dst].flags.c_contiguous
-        )
+        direct = plain and whole and (run if contiguous else _view_contiguous(dest, dst))
         out.append(ChunkRead(key, off, n, src, dst, direct))
     return out
 
 
-def coalesce(reads: Iterable[ChunkRead], gap: int, max_bytes: int = 64 << 20) -> list[Request]:
-    """Merge reads of the same object whose byte ranges are at most ``gap`` apart."""
+_MISSING = int(MISSING)
+
+
+def _view_contiguous(dest: np.ndarray | None, dst: Region) -> bool:
+    return dest is not None and bool(dest[dst].flags.c_contiguous)
+
+
+def coalesce(reads: Iterable[ChunkRead], gap: int, max_bytes: int = 64 << 20,
+             max_temp: int | None = None) -> list[Request]:
+    """Merge reads of the same object whose byte ranges are at most ``gap`` apart.
+
+    ``max_temp`` caps the bytes of a request that do not land directly (they go
+    through a scratch buffer): small enough to stay in cache, never a big fresh
+    allocation. Local files pass it; remote stores favour fewer requests.
+    """
     out: list[Request] = []
     by_key: dict[str, list[ChunkRead]] = {}
     for r in reads:
@@ -178,13 +216,17 @@ def coalesce(reads: Iterable[ChunkRead], gap: int, max_bytes: int = 64 << 20) ->
     for key, rs in by_key.items():
         rs.sort(key=lambda r: r.offset)
         group = [rs[0]]
+        temp = 0 if rs[0].direct else rs[0].nbytes
         for r in rs[1:]:
             end = group[-1].offset + group[-1].nbytes
-            if r.offset - end <= gap and r.offset + r.nbytes - group[0].offset <= max_bytes and r.offset >= end:
+            more = 0 if r.direct else r.nbytes
+            if (r.offset - end <= gap and r.offset + r.nbytes - group[0].offset <= max_bytes and r.offset >= end
+                    and (max_temp is None or temp + more <= max_temp)):
                 group.append(r)
+                temp += more
             else:
                 out.append(Request(key, group[0].offset, end, tuple(group)))
-                group = [r]
+                group, temp = [r], more
         out.append(Request(key, group[0].offset, group[-1].offset + group[-1].nbytes, tuple(group)))
     return out
 
@@ -194,46 +236,73 @@ def execute(storage: Storage, req: Request, meta: ArrayMeta, dest: np.ndarray,
             blob: memoryview | None = None) -> int:
     """Run one request: fetch its bytes, check crc32c, place every chunk.
 
-    ``blob`` is the whole shard object when it was already fetched (small shards).
+    Chunks marked ``direct`` are read straight into ``dest``; the others (and
+    the gaps) go through one scratch buffer, then are decoded into place.
+    ``blob`` is the whole shard object when it was already fetched (small
+    shards): chunks are then checked and decoded from it, nothing is fetched.
     Returns the bytes fetched from storage.
     """
     if req.stop < 0:  # 0-d tensor: read the whole object
         whole = storage.read(req.key)
         _place(memoryview(whole), req.reads[0], meta, dest)
         return len(whole)
-    buffers: list[memoryview] = []
-    temps: list[tuple[ChunkRead, memoryview, memoryview]] = []
-    pos, gaps = req.start, []
-    for r in req.reads:
-        gaps.append(r.offset - pos)
-        pos = r.offset + r.nbytes
-    gap = memoryview(bytearray(max(gaps)))  # one scratch buffer serves every gap
-    for r, skip in zip(req.reads, gaps, strict=True):
-        if skip:
-            buffers.append(gap[:skip])
-        body = r.nbytes - 4 if meta.checksums else r.nbytes
-        data = _bytes_view(dest[r.dst]) if r.direct else memoryview(bytearray(body))
-        crc = memoryview(bytearray(4 if meta.checksums else 0))
-        buffers += [data, crc] if meta.checksums else [data]
-        temps.append((r, data, crc))
+    tail = 4 if meta.checksums else 0
+    flat = _bytes_view(dest) if dest.flags.c_contiguous else None
+    fetched = 0
     if blob is None:
-        storage.read_into(req.key, req.start, buffers)
+        pieces = _fetch(storage, req, dest, flat, tail)
         fetched = req.nbytes
     else:
-        fetched = 0
-        at = req.start
-        for b in buffers:
-            b[:] = blob[at : at + b.nbytes]
-            at += b.nbytes
-    for r, data, crc in temps:
-        if meta.checksums and crc32c(data) != int.from_bytes(crc, "little"):
+        pieces = [(r, blob[r.offset : r.offset + r.nbytes - tail],
+                   blob[r.offset + r.nbytes - tail : r.offset + r.nbytes]) for r in req.reads]
+    for r, data, crc in pieces:
+        if tail and crc32c(data) != int.from_bytes(crc, "little"):
             raise ChecksumError(
                 f"tensor {meta.name!r}: chunk at byte {r.offset} of {storage.url}/{r.key} "
                 "fails its crc32c (corrupted data)"
             )
         if not r.direct:
             _decode_into(data, r, meta, dest)
+        elif blob is not None:
+            _dest_bytes(dest, flat, r, data.nbytes)[:] = data
     return fetched
+
+
+def _fetch(storage: Storage, req: Request, dest: np.ndarray, flat: memoryview | None,
+           tail: int) -> list[tuple[ChunkRead, memoryview, memoryview]]:
+    """One ``read_into`` for the whole request: (read, its data, its crc) per chunk."""
+    gaps, temp, pos = 0, 0, req.start
+    for r in req.reads:
+        gaps = max(gaps, r.offset - pos)
+        temp += 0 if r.direct else r.nbytes - tail
+        pos = r.offset + r.nbytes
+    scratch = _bytes_view(np.empty(temp + gaps, dtype=np.uint8))  # not zero-filled, unlike bytearray
+    crcs = memoryview(bytearray(tail * len(req.reads)))
+    buffers: list[memoryview] = []
+    pieces = []
+    pos, at = req.start, gaps  # scratch[:gaps] takes every gap in turn
+    for i, r in enumerate(req.reads):
+        if r.offset > pos:
+            buffers.append(scratch[: r.offset - pos])
+        body = r.nbytes - tail
+        if r.direct:
+            data = _dest_bytes(dest, flat, r, body)
+        else:
+            data, at = scratch[at : at + body], at + body
+        crc = crcs[i * tail : (i + 1) * tail]
+        buffers += [data, crc] if tail else [data]
+        pieces.append((r, data, crc))
+        pos = r.offset + r.nbytes
+    storage.read_into(req.key, req.start, buffers)
+    return pieces
+
+
+def _dest_bytes(dest: np.ndarray, flat: memoryview | None, r: ChunkRead, nbytes: int) -> memoryview:
+    """The bytes of ``dest[r.dst]`` (a contiguous run) as a writable view."""
+    if flat is None:
+        return _bytes_view(dest[r.dst])
+    start = sum(s.start * st for s, st in zip(r.dst, dest.strides, strict=True))
+    return flat[start : start + nbytes]
 
 
 def _place(data: memoryview, r: ChunkRead, meta: ArrayMeta, dest: np.ndarray) -> None:

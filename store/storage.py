@@ -108,8 +108,10 @@ class Storage:
     # ------------------------------------------------------------ reading
     def read(self, key: str) -> bytes:
         """Read a whole object (FileNotFoundError if absent)."""
-        # start=0 makes s3fs send one GET instead of HEAD + GET
-        data = self._call(key, lambda: self.fs.cat_file(self.path(key), start=0))
+        if self.local:  # plain open/read: a tenth of fsspec's cost per small file
+            data = self._call(key, lambda: _read_file(self.path(key)))
+        else:  # start=0 makes s3fs send one GET instead of HEAD + GET
+            data = self._call(key, lambda: self.fs.cat_file(self.path(key), start=0))
         self.count(requests=1, bytes_fetched=len(data))
         return bytes(data)
 
@@ -242,6 +244,11 @@ class Storage:
                 self.count(retries=1)
                 time.sleep(min(2.0, 0.05 * 2**attempt))
         raise AssertionError("unreachable")
+
+
+def _read_file(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def _transient(e: BaseException) -> bool:

@@ -53,7 +53,7 @@ from .format import (
     shard_shape,
     tensor_path,
 )
-from .shard import encode_shard
+from .shard import SMALL_SHARD_BYTES, encode_shard
 from .storage import Storage
 from .tree import LayoutSpec, flatten, resolve_layout
 
@@ -116,7 +116,10 @@ class CheckpointWriter:
         """The array record a tensor will be stored with."""
         shard = shard_shape(layout)
         itemsize = np.dtype(_np(dtype)).itemsize
-        target = min(self.chunk_bytes, max(MIN_CHUNK_BYTES, math.prod(shard) * itemsize // 16))
+        size = math.prod(shard) * itemsize
+        # A small shard is one chunk: readers fetch it whole anyway (SMALL_SHARD_BYTES),
+        # and splitting it by divisors of a prime row count would give one chunk (and crc) per row.
+        target = min(self.chunk_bytes, size if size <= SMALL_SHARD_BYTES else max(MIN_CHUNK_BYTES, size // 16))
         return ArrayMeta(
             name=name,
             shape=tuple(layout.shape),

@@ -320,3 +320,12 @@ def test_storage_options_parsing():
     assert storage_options([]) is None
     assert storage_options(["anon=true", "client_kwargs.region_name=eu-west-1", "n=3", "s=a=b"]) == {
         "anon": True, "client_kwargs": {"region_name": "eu-west-1"}, "n": 3, "s": "a=b"}
+
+
+def test_command_names_stay_importable_from_cli():
+    # the commands live in cli_commands and cli_write; frontends/commands.py and the notebooks import from cli
+    from reshard.store import cli, cli_commands, cli_write
+
+    assert cli.storage_options is cli_commands.storage_options
+    assert cli.compare is cli_commands.compare and cli.tensor_stats is cli_commands.tensor_stats
+    assert cli.short_layouts is cli_write.short_layouts and cli.load_layout_spec is cli_write.load_layout_spec

@@ -219,6 +219,18 @@ def test_progress_bar_only_when_asked_or_on_a_tty(saved: tuple[str, dict[str, An
     assert capsys.readouterr().err == ""
 
 
+def test_progress_bar_counts_tasks_or_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("tqdm")
+    for args in [(0, "x", True), (5, "x", False), (5, "x", None)]:  # stderr is not a TTY under pytest
+        with graph.progress_bar(*args) as bar:
+            assert bar is None
+    with graph.progress_bar(5, "load", True) as tasks, graph.progress_bar(3 << 20, "diff", True, unit="B") as nbytes:
+        assert (tasks.unit, tasks.unit_scale, nbytes.unit, nbytes.unit_scale) == ("task", False, "B", True)
+        tasks.update(5)
+    assert tasks.n == 5 and tasks.disable  # closed on leaving the block
+    capsys.readouterr()
+
+
 def test_load_many_on_a_local_cluster(saved: tuple[str, dict[str, Any]], client: Any) -> None:
     url, st = saved
     ckpt = rs.open(url)

@@ -9,6 +9,7 @@ written there must import here.
 
 from __future__ import annotations
 
+import json
 import zlib
 from pathlib import Path
 from typing import Any
@@ -120,7 +121,7 @@ def pb_read(path: Path) -> dict[str, Any]:
 
 
 def pb_strategy(entries: dict[str, tuple[list[int], list[int], int]], with_shapes: dict[str, list[int]] | None = None,
-                ) -> bytes:
+                steps: dict[str, int] | None = None) -> bytes:
     """A node_strategy.proto file as MindSpore writes it (no param_split_shape unless given)."""
     msg = PB["Strategy"]()
     msg.current_stage = 0
@@ -134,7 +135,7 @@ def pb_strategy(entries: dict[str, tuple[list[int], list[int], int]], with_shape
             lay.param_split_shape.add().dim.extend(with_shapes[name])
         lay.field = 0
         lay.opt_weight_shard_size = opt
-        lay.opt_weight_shard_step = 0
+        lay.opt_weight_shard_step = (steps or {}).get(name, 0)
     return msg.SerializeToString()
 
 
@@ -389,3 +390,61 @@ def test_integrated_save_and_clear_errors(tmp_path: Path) -> None:
         ms.import_mindspore(tmp_path / "bad", str(tmp_path / "c"), strategy)
     with pytest.raises(FileNotFoundError, match="rank_N"):
         ms.import_mindspore(tmp_path / "a", str(tmp_path / "d"), strategy)
+
+
+def test_optimizer_shard_size_smaller_than_the_group(tmp_path: Path) -> None:
+    """opt_weight_shard_size 2 of a replica group of 4 (step 2), weight and adam_v alike (REFERENCE 1).
+
+    dev [4, 2], tensor_map [-1, 0] on an [8, 4] weight: columns by c1 = r % 2; the
+    replicas of a column block are {0, 2, 4, 6} or {1, 3, 5, 7} (step 2), cut into
+    chunks of 2: {0, 2}, {4, 6}; rows 8 -> 2 pieces by position in the chunk.
+    """
+    rng = np.random.default_rng(3)
+    w, v = rng.standard_normal((8, 4)).astype(np.float32), rng.standard_normal((8, 4)).astype(np.float32)
+
+    def piece(rank: int) -> tuple[slice, slice]:
+        return slice((rank // 2) % 2 * 4, (rank // 2) % 2 * 4 + 4), slice(rank % 2 * 2, rank % 2 * 2 + 2)
+
+    for rank in range(8):
+        pb_write(tmp_path / "src" / f"rank_{rank}" / "net.ckpt", {"w": w[piece(rank)], "adam_v.w": v[piece(rank)]},
+                 crc=True)
+    as_json = json.dumps({"current_stage": 0, "parallel_layout_item": {"w": {
+        "dev_matrix": [4, 2], "tensor_map": [-1, 0], "tensor_shape": [8, 4], "field": 0,
+        "opt_weight_shard_step": 2, "opt_weight_shard_size": 2}}}).encode()
+    as_pb = pb_strategy({"w": ([4, 2], [-1, 0], 2)}, steps={"w": 2})
+    for i, strategy in enumerate((as_json, as_pb)):
+        ckpt = ms.import_mindspore(tmp_path / "src", str(tmp_path / f"ck{i}"), strategy)
+        assert ckpt["adam_v.w"].layout == Layout.from_mindspore([4, 2], [-1, 0], [8, 4], 2)
+        np.testing.assert_array_equal(ckpt["w"].read(), w)
+        np.testing.assert_array_equal(ckpt["adam_v.w"].read(), v)
+    assert json.loads(dump_strategy({"w": ckpt["w"].layout}))["parallel_layout_item"]["w"][
+        "opt_weight_shard_step"] == 2  # what MindSpore records for this group
+
+    # the same state on 2 devices, optimizer-sharded over both (rows 4 + 4), 8 -> 2
+    target = json.dumps({"current_stage": 0, "parallel_layout_item": {"w": {
+        "dev_matrix": [2], "tensor_map": [-1, -1], "tensor_shape": [8, 4], "field": 0,
+        "opt_weight_shard_step": 1, "opt_weight_shard_size": 2}}}).encode()
+    files = ms.export_mindspore(ckpt, tmp_path / "dst", target)
+    for rank in (0, 1):
+        got = pb_read(files[rank])
+        np.testing.assert_array_equal(got["w"], w[rank * 4:rank * 4 + 4])
+        np.testing.assert_array_equal(got["adam_v.w"], v[rank * 4:rank * 4 + 4])
+
+
+def test_split_values_through_import_and_export(tmp_path: Path) -> None:
+    """Values split along axis 0 (MindSpore does it over 512 MiB; here over 64 bytes) join on import."""
+    w = np.arange(12 * 4, dtype=np.float32).reshape(12, 4)
+    for rank in range(2):
+        pb_write(tmp_path / "src" / f"rank_{rank}" / "a.ckpt", {"w": w[rank * 6:rank * 6 + 6]}, slice_bytes=64)
+    msg = PB["Checkpoint"]()
+    msg.ParseFromString((tmp_path / "src" / "rank_0" / "a.ckpt").read_bytes())
+    assert [v.tag for v in msg.value] == ["w"] * 2  # 96 bytes in two Values
+    strategy = {"w": Layout.from_mindspore([2], [0, -1], [12, 4])}
+    ckpt = ms.import_mindspore(tmp_path / "src", str(tmp_path / "ck"), strategy)
+    np.testing.assert_array_equal(ckpt["w"].read(), w)
+    (path,) = ms.export_mindspore(ckpt, tmp_path / "one").values()
+    ms.write_ckpt(tmp_path / "split.ckpt", {"w": w}, slice_bytes=64)
+    msg.ParseFromString((tmp_path / "split.ckpt").read_bytes())
+    assert len(msg.value) == 3 and list(msg.value[2].tensor.dims) == [12, 4]
+    np.testing.assert_array_equal(pb_read(tmp_path / "split.ckpt")["w"], w)
+    np.testing.assert_array_equal(pb_read(path)["w"], w)

@@ -9,7 +9,17 @@ from typing import Any
 import numpy as np
 import pytest
 import reshard.store as rs
-from reshard.store.frontends.oneflow import load_oneflow, placement_layouts, save_oneflow, sbp, to_local
+from reshard.layouts import Layout
+from reshard.store.frontends.oneflow import (
+    load_npz,
+    load_oneflow,
+    placement_layouts,
+    save_npz,
+    save_oneflow,
+    sbp,
+    to_global,
+    to_local,
+)
 
 MODEL_FILE_RANKS = [0, 1]  # seed 001: model_file_placement = flow.placement("cpu", ranks=[0, 1])
 STAGES = [(16, 8), (8, 4), (4, 2), (2, 1)]  # Linear(in, out) of m_stage0..3, one per pipeline rank
@@ -36,28 +46,65 @@ def get_sbp(state_dict: Any, tensor: Any) -> str:
     return sbp.split(0)
 
 
-def _rank_main(rank: int, url: str, barrier: Any) -> None:
-    """One rank of the 4-rank pipeline job: save the model-file pieces it holds, rank 0 commits."""
-    # OneFlow's to_global(state_dict, model_file_placement, get_sbp) moves the stages'
-    # tensors onto ranks 0 and 1; to_local then gives each of them its piece (None on 2, 3).
-    local = to_local(pipeline_state(), MODEL_FILE_RANKS, get_sbp, rank)
+def stage_state(stage: int) -> dict[str, Any]:
+    """What pipeline rank ``stage`` holds: its own stage's Linear (P{stage}) and the step counter."""
+    module = pipeline_state()["module_pipeline"]
+    mine = {k: v for k, v in module.items() if k.startswith(f"m_stage{stage}.")}
+    return {"System-Train-TrainStep": np.array([2], np.int64), "module_pipeline": mine, "lr": 0.001}
+
+
+TIMEOUT = 60  # seconds any process waits on another before the test fails (it never hangs)
+
+
+def _rank_main(rank: int, url: str, shared: Any, barrier: Any) -> None:
+    """One rank of the 4-rank pipeline job of seed 001 (``train_with_graph(0, ...)``).
+
+    Rank s holds only stage s. OneFlow's ``to_global(state_dict, model_file_placement,
+    get_sbp)`` is a collective over the graph's *global* state dict; here the
+    collective's data movement is emulated by exchanging the stages through a
+    manager dict, so every rank then sees the whole dict (as get_sbp requires) and
+    cuts its own piece; only the ranks of the model-file placement save.
+    """
+    shared[rank] = stage_state(rank)
+    barrier.wait()
+    gathered = [shared[r] for r in range(4)]
+    state = {**gathered[0], "module_pipeline": {k: v for g in gathered for k, v in g["module_pipeline"].items()}}
+    local = to_local(state, MODEL_FILE_RANKS, get_sbp, rank)  # to_local(to_global(...)): None on 2, 3
+    assert (local is None) == (rank not in MODEL_FILE_RANKS)
+    if local is not None:
+        assert set(local["module_pipeline"]) == set(state["module_pipeline"])  # dotted keys kept
+    # `if flow.env.get_rank() in model_file_placement.ranks: flow.save(to_local(...), dir)`
     writer = save_oneflow(local, url, MODEL_FILE_RANKS, get_sbp, rank=rank)
     assert (writer is None) == (rank not in MODEL_FILE_RANKS)
     barrier.wait()
-    if rank == 0 and writer is not None:
+    if rank == 0:
+        assert writer is not None
         writer.commit()
+
+
+def run_ranks(target: Any, n: int, *args: Any) -> None:
+    """Run ``target(rank, *args, shared, barrier)`` in n spawned processes; fail, never hang."""
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        shared = manager.dict()
+        barrier = ctx.Barrier(n, timeout=TIMEOUT)
+        procs = [ctx.Process(target=target, args=(r, *args, shared, barrier)) for r in range(n)]
+        for p in procs:
+            p.start()
+        try:
+            for p in procs:
+                p.join(3 * TIMEOUT)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+                    p.join(10)
+        assert [p.exitcode for p in procs] == [0] * n
 
 
 def test_seed001_pipeline_saved_by_four_processes(tmp_path: Path) -> None:
     url = str(tmp_path / "graph_save_load_global")
-    ctx = mp.get_context("spawn")
-    barrier = ctx.Barrier(4)
-    procs = [ctx.Process(target=_rank_main, args=(r, url, barrier)) for r in range(4)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    assert [p.exitcode for p in procs] == [0, 0, 0, 0]
+    run_ranks(_rank_main, 4, url)
 
     ckpt = rs.open(url)
     full = pipeline_state()
@@ -67,6 +114,17 @@ def test_seed001_pipeline_saved_by_four_processes(tmp_path: Path) -> None:
     assert w3.layout == placement_layouts({"w": module["m_stage3.linear.weight"]}, [0, 1], "S(1)", local=False)["w"]
     assert ckpt["module_pipeline.m_stage0.linear.weight"].meta.shard == (4, 16)  # rank 0's and rank 1's halves
     np.testing.assert_array_equal(ckpt["System-Train-TrainStep"].read(), [2])
+
+    # seed 001's train_with_graph(1, ...): the same placement and get_sbp give each rank what it saved
+    for r in range(4):
+        got = load_oneflow(ckpt, r, MODEL_FILE_RANKS, get_sbp)
+        want = to_local(full, MODEL_FILE_RANKS, get_sbp, r)
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert got["module_pipeline"].keys() == module.keys()  # nested as saved, dotted keys kept
+            for name, value in want["module_pipeline"].items():
+                np.testing.assert_array_equal(got["module_pipeline"][name], value)
+            np.testing.assert_array_equal(got["System-Train-TrainStep"], [2])
 
     # back onto the pipeline: stage s whole (broadcast) on rank s
     for s in range(4):
@@ -110,12 +168,18 @@ def test_all_ranks_at_once_uneven_and_errors(tmp_path: Path) -> None:
     assert got is not None
     np.testing.assert_array_equal(got["weight"], state["weight"])
 
-    # 5 rows on 2 ranks: 3 + 2, so the global shape must be given
+    # 5 rows on 2 ranks: 3 + 2. All ranks at once: the global shape comes from the pieces;
+    # per rank, a piece alone cannot tell 5 from 6 (or 4) rows, so the shape must be given.
     odd = {"x": np.arange(10, dtype=np.int32).reshape(5, 2)}
     parts = {r: to_local(odd, [0, 1], "S(0)", r) for r in (0, 1)}
-    with pytest.raises(rs.ShapeMismatchError):
-        save_oneflow(parts, str(tmp_path / "b"), [0, 1], "S(0)")
-    save_oneflow(parts, str(tmp_path / "c"), [0, 1], "S(0)", shapes={"x": (5, 2)})
+    save_oneflow(parts, str(tmp_path / "b"), [0, 1], "S(0)")
+    np.testing.assert_array_equal(rs.open(str(tmp_path / "b"))["x"].read(), odd["x"])
+    writers = [save_oneflow(parts[r], str(tmp_path / "c"), [0, 1], "S(0)", rank=r) for r in (0, 1)]
+    with pytest.raises(rs.FormatError, match="disagree on the layout of 'x'"):  # 6 rows by rank 0, 4 by rank 1
+        writers[1].commit()  # type: ignore[union-attr]
+    for r in (0, 1):
+        save_oneflow(parts[r], str(tmp_path / "c"), [0, 1], "S(0)", rank=r, shapes={"x": (5, 2)}, commit=r == 1,
+                     overwrite=True)
     np.testing.assert_array_equal(rs.open(str(tmp_path / "c"))["x"].read(), odd["x"])
 
     with pytest.raises(rs.LayoutError, match="partial_sum"):
@@ -123,3 +187,42 @@ def test_all_ranks_at_once_uneven_and_errors(tmp_path: Path) -> None:
     assert save_oneflow(parts[0], str(tmp_path / "d"), [0, 1], "S(0)", rank=5) is None
     with pytest.raises(rs.LayoutError, match="wants"):
         save_oneflow({0: parts[0]}, str(tmp_path / "e"), [0, 1], "S(0)")
+    with pytest.raises(KeyError, match="nope"):
+        load_oneflow(str(tmp_path / "b"), 0, [0], "B", names=["nope"])
+
+
+def test_nested_uneven_2d_placement_and_global_view_helpers(tmp_path: Path) -> None:
+    """REFERENCE 2: nested splits narrow the already narrowed extent; dicts, lists and tuples."""
+    x = np.arange(7 * 5, dtype=np.float64).reshape(7, 5)
+    ranks = [[0, 1, 2], [3, 4, 5]]
+    spec = (sbp.split(0), sbp.split(0))  # 7 -> 4, 3; then 4 -> 2,1,1 and 3 -> 1,1,1
+    layouts = to_global({"opt": [x, 0.5], "t": (x,)}, ranks, spec)
+    assert layouts["opt"][1] == 0.5 and isinstance(layouts["t"], tuple)
+    assert [layouts["opt"][0].local_shape(r)[0] for r in range(6)] == [2, 1, 1, 1, 1, 1]  # not flat 7/6: 2,1,1,1,1,1
+    assert Layout.from_oneflow([0, 1, 2, 3, 4, 5], "S(0)", (20, 1)).local_shape(5) == (3, 1)  # 20 into 6: 4,4,3,3,3,3
+    local = to_local({"opt": [x, 0.5], "t": (x,)}, ranks, spec, 1)
+    np.testing.assert_array_equal(local["opt"][0], x[2:3])
+    assert local["opt"][1] == 0.5 and isinstance(local["t"], tuple)
+
+    by_rank = {r: to_local({"m": {"a.w": x}, "step": 3}, ranks, spec, r) for r in range(6)}
+    save_oneflow(by_rank, str(tmp_path / "n"), ranks, spec)
+    ckpt = rs.open(str(tmp_path / "n"))
+    assert ckpt["m.a.w"].shape == (7, 5) and ckpt.leaves == {"step": 3}
+    got = load_oneflow(ckpt, 4, ranks, (sbp.broadcast, sbp.split(1)))  # columns 5 -> 2, 2, 1
+    assert got is not None and list(got["m"]) == ["a.w"]
+    np.testing.assert_array_equal(got["m"]["a.w"], x[:, 2:4])
+
+
+def test_npz_folders_hold_no_pickles(tmp_path: Path) -> None:
+    state = {"System-Train-TrainStep": np.array([2], np.int64),
+             "module_pipeline": {"m_stage0.linear.weight": np.ones((2, 3), np.float32)}, "lr": 0.001}
+    folder = save_npz(state, tmp_path / "graph_save_load_global_0")
+    with np.load(folder / "tensors.npz", allow_pickle=False) as f:
+        assert sorted(f.files) == ["System-Train-TrainStep", "module_pipeline/m_stage0.linear.weight"]
+    back = load_npz(folder)
+    assert back["lr"] == 0.001 and list(back["module_pipeline"]) == ["m_stage0.linear.weight"]
+    np.testing.assert_array_equal(back["module_pipeline"]["m_stage0.linear.weight"], 1)
+    with pytest.raises(rs.BadNameError, match="'/'"):
+        save_npz({"a/b": np.ones(1)}, tmp_path / "bad")
+    with pytest.raises(FileNotFoundError, match=r"no \.npz"):
+        load_npz(tmp_path)

@@ -2,8 +2,9 @@
 
 ``reshard import dcp SRC DST``, ``reshard import orbax SRC DST``,
 ``reshard import mindspore SRC_DIR DST --strategy FILE`` and
-``reshard import oneflow SRC DST --placement RANKS --sbp SBP``. Each
-framework is imported only when its command runs.
+``reshard import oneflow SRC_DIR... DST --placement RANKS --sbp SBP
+[--sbp-for NAME=SBP ...]``. Each framework is imported only when its command
+runs.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ import argparse
 import json
 import time
 from typing import Any
+
+ONEFLOW_HELP = ("a OneFlow state dict saved by the ranks of a model-file placement, one plain numpy folder per "
+                "rank (no pickles: OneFlow's flow.save files are not read)")
 
 
 def register_import(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -32,9 +36,21 @@ def register_import(subparsers: Any, common: argparse.ArgumentParser) -> None:
     add("orbax", _orbax, "Orbax checkpoint folder (StandardCheckpointer / PyTreeCheckpointer)")
     p = add("mindspore", _mindspore, "MindSpore per-rank rank_N/*.ckpt files plus the training strategy file")
     p.add_argument("--strategy", required=True, help="strategy file (protobuf or JSON, pipeline-merged too)")
-    p = add("oneflow", _oneflow, "a OneFlow state dict saved as per-rank numpy .npz files (one per placement rank)")
-    p.add_argument("--placement", required=True, help="placement ranks as JSON, e.g. '[0, 1]' or '[[0,1],[2,3]]'")
-    p.add_argument("--sbp", required=True, help="SBP for every tensor: 'S(0)', 'B', or a JSON list for N-d")
+    p = sub.add_parser("oneflow", parents=[common], help=ONEFLOW_HELP, description=ONEFLOW_HELP)
+    p.add_argument("src", nargs="+", metavar="SRC_DIR",
+                   help="one folder per placement rank, in the order of --placement's ranks, each written by "
+                        "reshard.store.frontends.oneflow.save_npz (tensors.npz + leaves.json) or a bare .npz file")
+    p.add_argument("dst", metavar="DST_URL", help="URL of the reshard checkpoint to write")
+    p.add_argument("--placement", required=True, metavar="RANKS",
+                   help="the model-file placement's ranks as JSON: '[0, 1]', or '[[0, 1], [2, 3]]' for 2-d")
+    p.add_argument("--sbp", required=True, metavar="SBP",
+                   help="SBP of every tensor: 'S(0)', 'split(1)', 'B'; a JSON list for an N-d placement")
+    p.add_argument("--sbp-for", action="append", default=[], metavar="NAME=SBP",
+                   help="SBP of the tensors whose dotted name matches the glob NAME (repeatable, the first match "
+                        "wins), e.g. --sbp-for System-Train-TrainStep=B")
+    p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
+    p.set_defaults(func=_oneflow, parser=p)
+
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
@@ -46,7 +62,8 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
 def _report(what: str, args: argparse.Namespace, t0: float, result: Any) -> int:
     seconds = time.perf_counter() - t0
     detail = json.dumps(result) if isinstance(result, dict) else ""
-    print(f"imported {what} {args.src} -> {args.dst} in {seconds:.2f} s {detail}".rstrip())
+    src = " ".join(args.src) if isinstance(args.src, list) else args.src
+    print(f"imported {what} {src} -> {args.dst} in {seconds:.2f} s {detail}".rstrip())
     return 0
 
 
@@ -74,24 +91,43 @@ def _mindspore(args: argparse.Namespace) -> int:
     return _report("MindSpore checkpoint", args, t0, {"tensors": len(ckpt), "bytes": ckpt.nbytes})
 
 
+def _sbp_arg(text: str) -> Any:
+    text = text.strip()
+    return json.loads(text) if text.startswith("[") else text
+
+
 def _oneflow(args: argparse.Namespace) -> int:
-    import glob
+    from fnmatch import fnmatchcase
 
-    import numpy as np
-
-    from .oneflow import save_oneflow
+    from .oneflow import global_shapes, load_npz, placement_ranks, save_oneflow, tensor_paths
 
     ranks = json.loads(args.placement)
-    spec = json.loads(args.sbp) if args.sbp.lstrip().startswith("[") else args.sbp
-    files = sorted(glob.glob(f"{args.src.rstrip('/')}/rank_*.npz"), key=lambda p: int(p.rsplit("_", 1)[1][:-4]))
-    if not files:
-        raise FileNotFoundError(f"no rank_N.npz files under {args.src}")
-    t0 = time.perf_counter()
-    for path in files:
-        rank = int(path.rsplit("_", 1)[1][:-4])
-        with np.load(path, allow_pickle=False) as f:
-            save_oneflow(dict(f), args.dst, ranks, spec, rank=rank, commit=False, **_options(args))
-    from ..writer import commit
+    flat = placement_ranks(ranks)
+    if len(args.src) != len(flat):
+        args.parser.error(f"--placement {args.placement} has {len(flat)} ranks but {len(args.src)} SRC_DIRs were given")
+    default = _sbp_arg(args.sbp)
+    rules = []
+    for rule in args.sbp_for:
+        name, sep, value = rule.partition("=")
+        if not sep or not name:
+            args.parser.error(f"--sbp-for wants NAME=SBP, got {rule!r}")
+        rules.append((name, _sbp_arg(value)))
 
-    commit(args.dst, storage_options=_options(args)["storage_options"])
-    return _report("OneFlow state", args, t0, {"ranks": len(files)})
+    t0 = time.perf_counter()
+    names: dict[int, str] = {}
+
+    def spec(state: Any, tensor: Any) -> Any:
+        name = names[id(tensor)]
+        return next((value for pattern, value in rules if fnmatchcase(name, pattern)), default)
+
+    def known(state: Any) -> Any:
+        names.update({id(tensor): name for name, (_, tensor) in tensor_paths(state).items()})
+        return state
+
+    # plan from the headers (exact global shapes, even for uneven splits), then one rank in memory at a time
+    heads = {rank: known(load_npz(src, headers_only=True)) for rank, src in zip(flat, args.src, strict=True)}
+    shapes = global_shapes(heads, ranks, spec)
+    for i, (rank, src) in enumerate(zip(flat, args.src, strict=True)):
+        save_oneflow(known(load_npz(src)), args.dst, ranks, spec, rank=rank, shapes=shapes,
+                     commit=i == len(flat) - 1, **_options(args))
+    return _report("OneFlow state", args, t0, {"ranks": len(flat), "tensors": len(shapes)})

@@ -7,36 +7,49 @@ then each rank of that placement saves its local part (``to_local``) with
 checkpoint instead, every tensor one zarr array whose shards are the
 placement's blocks, and can be loaded back onto any other placement and SBP.
 
-* :func:`save_oneflow` is ``flow.save(to_local(to_global(sd, placement, sbp)))``:
+* :func:`to_global` gives the layout OneFlow's ``to_global`` would give every
+  tensor of a nested state dict; :func:`to_local` cuts whole arrays into one
+  rank's pieces (``to_local(to_global(...))``), structure kept.
+* :func:`save_oneflow` is ``flow.save(to_local(model_file_state_dict), dir)``:
   each rank of the placement writes its local pieces (no communication).
-* :func:`load_oneflow` is ``to_global(flow.load(...), placement, sbp)`` followed
-  by ``to_local`` on a new placement: each rank reads only its own region.
-* :func:`to_local` cuts whole arrays into one rank's pieces (what OneFlow's
-  ``to_global`` + ``to_local`` give a rank), e.g. for tests or single-process use.
+* :func:`load_oneflow` is ``to_global(flow.load(dir), placement, sbp)`` followed
+  by ``to_local`` on any placement and SBP: each rank reads only its own region.
+* :func:`save_npz` / :func:`load_npz` (from :mod:`.oneflow_npz`): one rank's
+  local state dict as a folder of plain ``.npz`` + JSON, the input of
+  ``reshard import oneflow``.
 
 ``sbp`` is one SBP for every tensor, a tuple for an N-d placement, or a
 callback ``(state_dict, tensor) -> sbp`` as in OneFlow (compare tensors with
-``is``). SBPs are OneFlow objects, their ``str``, or the strings of :class:`sbp`
-(``split(d)``, ``broadcast``). Splits are OneFlow's balanced ones (the first
-``S % k`` pieces one longer); ``partial_sum`` cannot be saved.
+``is``; the callback is given the very state dict passed in). SBPs are OneFlow
+objects, their ``str``, or the strings of :class:`sbp` (``split(d)``,
+``broadcast``). Splits are OneFlow's balanced ones (the first ``S % k`` pieces
+one longer); ``partial_sum`` cannot be saved.
 
-OneFlow's own ``flow.save`` files are pickles: reshard does not read them
-(unpickling runs code). Load them in OneFlow and pass numpy arrays.
+Names are kept as OneFlow wrote them: a graph's state dict nests module state
+dicts whose keys hold dots (``sd["module_pipeline"]["m_stage3.linear.weight"]``).
+The stored dotted name is ``module_pipeline.m_stage3.linear.weight``; the key
+path is recorded too (``origin["path"]`` of the layout) so that
+:func:`load_oneflow` gives back the same nesting.
+
+OneFlow's own ``flow.save`` files are pickles: reshard never reads them
+(unpickling runs code). Pass numpy arrays, or write :func:`save_npz` folders.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from reshard.layouts import Layout
-from reshard.layouts.errors import LayoutError
+from reshard.layouts.errors import BadNameError, LayoutError
 
 from ..reader import Checkpoint, open
-from ..tree import flatten, unflatten
+from ..tree import flatten, is_tensor
 from ..writer import CheckpointWriter, create
+from .oneflow_npz import KeyPath, key_str, load_npz, save_npz, walk
 
 SbpLike = Any  # an SBP, a tuple of them, or a callback (state_dict, tensor) -> SBP
 
@@ -62,14 +75,39 @@ def _sbp_of(spec: SbpLike, state: Any, tensor: Any) -> Any:
     return spec(state, tensor) if callable(spec) and not isinstance(spec, str) else spec
 
 
-def placement_layouts(state: Mapping[str, Any], ranks: Any, spec: SbpLike, *,
+def tensor_paths(state: Mapping[Any, Any]) -> dict[str, tuple[KeyPath, Any]]:
+    """``{dotted name: (key path, tensor)}`` of a nested state dict's tensors.
+
+    Raises
+    ------
+    BadNameError
+        For two key paths with the same dotted name (``{"a": {"b": x}}`` next
+        to ``{"a.b": y}``): one checkpoint name each.
+    """
+    out: dict[str, tuple[KeyPath, Any]] = {}
+    for path, value in walk(state):
+        if not is_tensor(value):
+            continue
+        name = ".".join(path)
+        if name in out:
+            raise BadNameError(f"name {name!r} is given twice (as {list(out[name][0])} and {list(path)})")
+        out[name] = (path, value)
+    return out
+
+
+def _with_path(layout: Layout, path: KeyPath) -> Layout:
+    return dataclasses.replace(layout, origin={**(layout.origin or {}), "path": list(path)})
+
+
+def placement_layouts(state: Mapping[Any, Any], ranks: Any, spec: SbpLike, *,
                       shapes: Mapping[str, Sequence[int]] | None = None, local: bool = True) -> dict[str, Layout]:
     """``to_global`` as layouts: ``{dotted name: Layout}`` of a state dict's tensors on a placement.
 
     Parameters
     ----------
     state : mapping
-        Nested state dict (numpy arrays or anything with ``shape``).
+        Nested state dict (numpy arrays or anything with ``shape``); a callback
+        `spec` is called with this very object.
     ranks : nested list of int
         ``placement.ranks``; its shape is the hierarchy.
     spec : SBP, tuple of SBP, or callable
@@ -80,11 +118,16 @@ def placement_layouts(state: Mapping[str, Any], ranks: Any, spec: SbpLike, *,
         The arrays are local parts: without `shapes`, a global dim is the local
         one times the placement axes that split it (OneFlow's own rule, exact
         when the split divides). False: the arrays are global.
+
+    Returns
+    -------
+    dict of str to Layout
+        Each layout's ``origin`` holds OneFlow's placement and SBP and the key
+        path of the tensor.
     """
     shapes = shapes or {}
-    tensors, _ = flatten(state)
     out = {}
-    for name, tensor in tensors.items():
+    for name, (path, tensor) in tensor_paths(state).items():
         s = _sbp_of(spec, state, tensor)
         shape = tuple(int(n) for n in np.shape(tensor))
         if name in shapes:
@@ -93,21 +136,104 @@ def placement_layouts(state: Mapping[str, Any], ranks: Any, spec: SbpLike, *,
             probe = Layout.from_oneflow(ranks, s, shape)
             shape = tuple(n * math.prod(probe.mesh[a] for a in axes)
                           for n, axes in zip(shape, probe.dims, strict=True))
-        out[name] = Layout.from_oneflow(ranks, s, shape)
+        out[name] = _with_path(Layout.from_oneflow(ranks, s, shape), path)
     return out
 
 
-def to_local(state: Mapping[str, Any], ranks: Any, spec: SbpLike, rank: int) -> dict[str, Any] | None:
-    """One rank's local parts of a state dict of whole arrays (``to_local(to_global(...))``).
+def _map(state: Any, fn: Any, path: KeyPath = ()) -> Any:
+    """``state`` with every tensor replaced by ``fn(dotted name, tensor)``; containers kept."""
+    if isinstance(state, Mapping):
+        return {k: _map(v, fn, (*path, key_str(k, path))) for k, v in state.items()}
+    if isinstance(state, (list, tuple)) and any(is_tensor(v) or isinstance(v, (Mapping, list, tuple)) for v in state):
+        items = [_map(v, fn, (*path, str(i))) for i, v in enumerate(state)]
+        return type(state)(items) if isinstance(state, list) else tuple(items)
+    return fn(".".join(path), state) if is_tensor(state) else state
 
-    Returns None for a rank outside the placement; leaves pass through.
+
+def _layouts_any(state: Any, ranks: Any, spec: SbpLike) -> dict[str, Layout]:
+    """Layouts of the global arrays of a nested dict/list/tuple (to_global's inputs)."""
+    out: dict[str, Layout] = {}
+
+    def visit(name: str, tensor: Any) -> Any:
+        out[name] = Layout.from_oneflow(ranks, _sbp_of(spec, state, tensor), np.shape(tensor))
+        return tensor
+
+    _map(state, visit)
+    return out
+
+
+def to_global(state: Any, ranks: Any, spec: SbpLike) -> Any:
+    """The layout each global array of ``state`` gets on a placement (``flow.utils.global_view.to_global``).
+
+    Parameters
+    ----------
+    state : dict, list, tuple, array or None
+        Whole (global) arrays, nested in dicts, lists and tuples, as OneFlow accepts.
+    ranks : nested list of int
+        ``placement.ranks``.
+    spec : SBP, tuple of SBP, or callable ``(state, tensor) -> sbp``
+        See the module docstring.
+
+    Returns
+    -------
+    Any
+        ``state`` with every array replaced by its :class:`~reshard.layouts.Layout`
+        (``.region(rank)``, ``.local_shape(rank)``); other values kept.
+    """
+    layouts = _layouts_any(state, ranks, spec)
+    return _map(state, lambda name, _: layouts[name])
+
+
+def to_local(state: Any, ranks: Any, spec: SbpLike, rank: int) -> Any:
+    """One rank's local parts of whole arrays: OneFlow's ``to_local(to_global(state, placement, sbp))``.
+
+    Parameters
+    ----------
+    state : dict, list, tuple or array
+        Whole (global) arrays; the callback sees this object.
+    ranks : nested list of int
+        ``placement.ranks``.
+    spec : SBP, tuple of SBP, or callable ``(state, tensor) -> sbp``
+        See the module docstring.
+    rank : int
+        The rank whose parts to cut.
+
+    Returns
+    -------
+    Any
+        The same containers and keys (dotted keys stay dotted) holding the
+        rank's pieces (views); None for a rank outside the placement.
     """
     if rank not in placement_ranks(ranks):
         return None
-    tensors, leaves = flatten(state)
-    layouts = placement_layouts(state, ranks, spec, local=False)
-    pieces = {n: np.asarray(t)[(*layouts[n].region(rank), ...)] for n, t in tensors.items()}
-    return unflatten({**leaves, **pieces})
+    layouts = _layouts_any(state, ranks, spec)
+    return _map(state, lambda name, t: np.asarray(t)[(*layouts[name].region(rank), ...)])
+
+
+def global_shapes(by_rank: Mapping[int, Mapping[Any, Any]], ranks: Any, spec: SbpLike) -> dict[str, tuple[int, ...]]:
+    """Exact global shapes from every rank's local pieces, even when splits do not divide.
+
+    Along a tensor dim, the pieces of the ranks that differ only on the
+    placement axes splitting it tile the dim; the other axes repeat them. So
+    the dim is the sum over all ranks divided by the repeat count.
+    """
+    flat = placement_ranks(ranks)
+    first = by_rank[flat[0]]
+    out = {}
+    for name, (_, tensor) in tensor_paths(first).items():
+        probe = Layout.from_oneflow(ranks, _sbp_of(spec, first, tensor), np.shape(tensor))
+        total = [0] * len(probe.shape)
+        for r in flat:
+            held = tensor_paths(by_rank[r]).get(name)
+            if held is None:
+                raise LayoutError(f"rank {r}'s state dict lacks {name!r}, which rank {flat[0]}'s holds")
+            local = np.shape(held[1])
+            if len(local) != len(total):
+                raise LayoutError(f"{name!r} is {len(local)}-d on rank {r} but {len(total)}-d on rank {flat[0]}")
+            total = [t + n for t, n in zip(total, local, strict=True)]
+        repeat = [math.prod(m for a, m in enumerate(probe.mesh) if a not in axes) for axes in probe.dims]
+        out[name] = tuple(t // k for t, k in zip(total, repeat, strict=True))
+    return out
 
 
 def save_oneflow(state: Mapping[Any, Any] | None, url: str, ranks: Any, spec: SbpLike, *,
@@ -117,12 +243,15 @@ def save_oneflow(state: Mapping[Any, Any] | None, url: str, ranks: Any, spec: Sb
 
     Two ways to call it:
 
-    * per rank, in every process: ``save_oneflow(local_sd, url, ranks, sbp, rank=r)``.
-      Ranks outside the placement pass (or not) ``None`` and nothing happens.
-      Commit once all have written: ``writer.commit()`` on one rank after a
-      barrier, or ``commit=True`` on the rank you know finishes last.
+    * per rank, in every process of the job:
+      ``save_oneflow(local_sd, url, ranks, sbp, rank=r)``, with ``local_sd``
+      what OneFlow's ``to_local(to_global(state_dict, placement, sbp))`` gives
+      rank ``r``. Ranks outside the placement save nothing (their ``local_sd``
+      may be None), as ``if rank in placement.ranks: flow.save(...)``. Commit
+      once all have written: ``writer.commit()`` on one rank after a barrier,
+      or ``commit=True`` on the rank you know finishes last.
     * all ranks at once: ``save_oneflow({rank: local_sd, ...}, url, ranks, sbp)``;
-      commits unless ``commit=False``.
+      global shapes come out exact from the pieces; commits unless ``commit=False``.
 
     Parameters
     ----------
@@ -134,20 +263,29 @@ def save_oneflow(state: Mapping[Any, Any] | None, url: str, ranks: Any, spec: Sb
     ranks : nested list of int
         The model-file placement's ranks.
     spec : SBP, tuple of SBP, or callable ``(state_dict, tensor) -> sbp``
-        The callback gets the rank's local state dict and the tensor object.
+        The callback gets the local state dict (the first placement rank's
+        in the all-ranks call) and one of its tensors; it has the keys and
+        nesting of the global one, so seed 001's ``get_sbp`` works as is.
     rank : int, optional
         This process's rank (per-rank call).
     shapes : mapping, optional
-        Global shapes by dotted name, needed when a split does not divide.
+        Global shapes by dotted name; per rank, needed when a split does not divide.
     commit : bool, optional
         Commit after writing (default: True for the all-ranks call only).
     **options
-        As for :func:`reshard.store.create`.
+        As for :func:`reshard.store.create` (``overwrite``, ``save_id``...).
 
     Returns
     -------
     CheckpointWriter or None
         The writer (``.commit()``), or None when this rank saves nothing.
+
+    Raises
+    ------
+    LayoutError
+        For ``partial_sum``, an unknown SBP, or ranks that do not match the placement.
+    ShapeMismatchError
+        When a piece does not have the shape the placement gives its rank.
     """
     flat = placement_ranks(ranks)
     if rank is not None:
@@ -161,13 +299,36 @@ def save_oneflow(state: Mapping[Any, Any] | None, url: str, ranks: Any, spec: Sb
     if state is None or sorted(state) != sorted(flat):
         got = sorted(state) if state is not None else None
         raise LayoutError(f"save_oneflow without rank= wants {{rank: state dict}} for ranks {flat}, got {got}")
-    layouts = placement_layouts(state[flat[0]], ranks, spec, shapes=shapes)
-    writer = create(url, layouts, **options)
+    exact = {**global_shapes(state, ranks, spec), **(shapes or {})}
+    writer = create(url, placement_layouts(state[flat[0]], ranks, spec, shapes=exact), **options)
     for r in flat:
         writer.write(r, state[r])
     if commit is None or commit:
         writer.commit()
     return writer
+
+
+def _nest(flat: Mapping[str, Any], paths: Mapping[str, Sequence[str]]) -> dict[str, Any]:
+    """Nest ``{dotted name: value}`` by recorded key paths (else by the dots)."""
+    out: dict[str, Any] = {}
+    for name, value in flat.items():
+        *parents, last = paths.get(name) or name.split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise BadNameError(f"{name!r} lies under {p!r}, which is a tensor or leaf")
+        node[last] = value
+    return out
+
+
+def _paths_of(ckpt: Checkpoint) -> dict[str, list[str]]:
+    out = {}
+    for name, meta in ckpt.arrays.items():
+        path = (meta.origin or {}).get("path") if isinstance(meta.origin, Mapping) else None
+        if isinstance(path, list) and path and ".".join(map(str, path)) == name:
+            out[name] = [str(p) for p in path]
+    return out
 
 
 def load_oneflow(src: str | Checkpoint, rank: int, ranks: Any, spec: SbpLike, *,
@@ -184,9 +345,10 @@ def load_oneflow(src: str | Checkpoint, rank: int, ranks: Any, spec: SbpLike, *,
     ranks : nested list of int
         The target placement's ranks.
     spec : SBP, tuple of SBP, or callable ``(state_dict, tensor) -> sbp``
-        The callback gets the checkpoint's nested dict of lazy tensors
-        (:meth:`Checkpoint.tree`) and one of them: test ``tensor is sd[...]``
-        or look at ``tensor.name`` / ``tensor.shape``.
+        The callback gets the checkpoint as a nested dict of lazy tensors
+        (with the key paths they were saved under, see the module docstring)
+        and one of them: test ``tensor is sd[...]``, or ``tensor.name`` /
+        ``tensor.shape``.
     names : sequence of str, optional
         Load only these dotted names.
     storage_options : dict, optional
@@ -195,17 +357,23 @@ def load_oneflow(src: str | Checkpoint, rank: int, ranks: Any, spec: SbpLike, *,
     Returns
     -------
     dict or None
-        Nested ``{name: numpy array}`` plus the leaves; None for a rank outside
-        the placement (as OneFlow's ``local_state_dict = None``).
+        Nested ``{key: numpy array}`` plus the leaves, nested as saved; None for
+        a rank outside the placement (as OneFlow's ``local_state_dict = None``).
     """
     if rank not in placement_ranks(ranks):
         return None
     ckpt = src if isinstance(src, Checkpoint) else open(src, storage_options=storage_options)
-    tree = ckpt.tree()
-    lazy, _ = flatten(tree, ckpt.arrays)
+    paths = _paths_of(ckpt)
+    lazy = {n: ckpt[n] for n in ckpt.arrays}
+    tree = _nest({**ckpt.leaves, **lazy}, paths)
     wanted = list(names) if names is not None else list(ckpt.arrays)
+    missing = [n for n in wanted if n not in ckpt.arrays]
+    if missing:
+        raise KeyError(f"{ckpt.url} holds no tensors {missing}")
     layouts = {n: Layout.from_oneflow(ranks, _sbp_of(spec, tree, lazy[n]), ckpt.arrays[n].shape) for n in wanted}
-    return ckpt.load(layouts, rank)
+    pieces, _ = flatten(ckpt.load(layouts, rank), ckpt.arrays)
+    return _nest({**ckpt.leaves, **pieces}, paths)
 
 
-__all__ = ["load_oneflow", "placement_layouts", "placement_ranks", "save_oneflow", "sbp", "to_local"]
+__all__ = ["global_shapes", "load_npz", "load_oneflow", "placement_layouts", "placement_ranks", "save_npz",
+           "save_oneflow", "sbp", "tensor_paths", "to_global", "to_local", "walk"]

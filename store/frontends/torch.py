@@ -8,29 +8,29 @@ into DTensors of another mesh reads only each rank's own region, straight into
 its local tensor. For optimizer state use the FQN-keyed dicts of
 ``torch.distributed.checkpoint.state_dict.get_state_dict`` (see docs/torch.md).
 
-DCP's pickled ``.metadata`` is read with a restricted unpickler (only DCP's
-metadata classes resolve) and its chunks with ``torch.load(weights_only=True)``.
+DCP import (:func:`import_dcp`, :func:`read_dcp_metadata`) lives in
+:mod:`reshard.store.frontends.dcp` and is importable from here too.
 torch is imported inside the functions, never when ``reshard.store`` loads.
 """
 
 from __future__ import annotations
 
-import io
-import pickle
-import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 from reshard.layouts import Layout
-from reshard.layouts.errors import FormatError, LayoutError, TensorNotFoundError
+from reshard.layouts.errors import LayoutError, TensorNotFoundError
 
 from ..dtypes import dtype_name
 from ..reader import open
-from ..storage import IOStats, Storage
+from ..storage import IOStats
 from ..tree import to_json
 from ..writer import commit, create
+from .dcp import import_dcp, read_dcp_metadata
+
+__all__ = ["export_torch", "from_numpy", "import_dcp", "layout_of", "load", "read_dcp_metadata", "save", "to_numpy"]
 
 #: torch dtypes numpy lacks, moved bit for bit through a same-width integer view.
 _VIEWS = {
@@ -292,160 +292,6 @@ def load(state_dict: Mapping[str, Any], url: str, *, strict: bool = True, proces
     for container, key, leaf in updates:
         container[key] = leaf
     return ckpt.last_stats
-
-
-# -------------------------------------------------------------- DCP import
-#: The globals a DCP ``.metadata`` pickle may name, besides torch dtypes and layouts.
-_DCP_GLOBALS = frozenset(
-    [("torch.distributed.checkpoint.metadata", n) for n in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")]
-    + [("pathlib", n) for n in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")]
-    + [("builtins", n) for n in ("set", "frozenset", "tuple", "list", "dict")]
-    + [("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
-       ("torch", "Size"), ("collections", "OrderedDict")]
-)
-
-
-class _DCPMetadataUnpickler(pickle.Unpickler):
-    """RESTRICTED unpickler for DCP's pickled ``.metadata`` (someone else's format, not ours).
-
-    Only the DCP metadata dataclasses, ``torch.Size``, torch dtypes and
-    layouts, paths and a few builtins resolve; any other global raises, so a
-    crafted file cannot run code. Never use plain ``pickle.load`` here.
-    """
-
-    def find_class(self, module: str, name: str) -> Any:
-        import torch
-
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
-            return getattr(torch, name)
-        if (module, name) in _DCP_GLOBALS:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"DCP metadata refers to {module}.{name}, which reshard does not load")
-
-
-def read_dcp_metadata(data: bytes) -> Any:
-    """Decode a DCP ``.metadata`` file with the restricted unpickler."""
-    try:
-        return _DCPMetadataUnpickler(io.BytesIO(data)).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
-        raise FormatError(f"not a readable DCP .metadata file: {e}") from None
-
-
-def _dcp_item(src: Storage, info: Any, what: str) -> Any:
-    """torch.load one saved item (weights_only: torch's own restricted unpickler)."""
-    import torch
-
-    if getattr(info, "transform_descriptors", None):
-        raise FormatError(f"{src.url}: {what} uses DCP extensions {info.transform_descriptors}, "
-                          "which reshard does not decode")
-    buf = bytearray(info.length)
-    src.read_into(info.relative_path, info.offset, [memoryview(buf)])
-    try:
-        return torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise FormatError(f"{src.url}: cannot decode {what} in {info.relative_path}: {e}") from None
-
-
-def _regroup(items: dict[str, Any], paths: Mapping[str, Any], tensors: Mapping[str, Any]) -> dict[str, Any]:
-    """Join DCP's per-element items of JSON lists back into one leaf each.
-
-    DCP walks lists that hold mappings (``param_groups.0.lr``...); :func:`save`
-    keeps such a list whole (``param_groups``), so an imported checkpoint
-    loads into the same state dicts. ``paths`` is DCP's ``planner_data``
-    (fqn -> key path); lists that also hold tensors stay split.
-    """
-    leaves: dict[str, Any] = {}
-    for fqn, value in items.items():
-        path = paths.get(fqn)
-        cut = next((i for i, k in enumerate(path or ()) if isinstance(k, int)), None)
-        if path is None or cut is None or cut == 0:
-            leaves[fqn] = value
-            continue
-        name = ".".join(str(k) for k in path[:cut])
-        if any(t.startswith(name + ".") for t in tensors) or not isinstance(leaves.get(name, []), list):
-            leaves[fqn] = value
-            continue
-        node: Any = leaves.setdefault(name, [])
-        for key, nxt in zip(path[cut:], path[cut + 1:], strict=False):
-            if isinstance(key, int):
-                node.extend({} if isinstance(nxt, str) else [] for _ in range(key + 1 - len(node)))
-                node = node[key]
-            else:
-                node = node.setdefault(key, {} if isinstance(nxt, str) else [])
-        last = path[-1]
-        if isinstance(last, int):
-            node.extend(None for _ in range(last + 1 - len(node)))
-        node[last] = value
-    return leaves
-
-
-def import_dcp(src: str, dst: str, *, src_storage_options: dict[str, Any] | None = None,
-               **options: Any) -> dict[str, Any]:
-    """Convert a torch DCP checkpoint (``.metadata`` + ``*.distcp``) into a reshard checkpoint.
-
-    Streams: one saved chunk is in memory at a time (read by byte range, so
-    ``src`` may be any fsspec URL). Each tensor keeps DCP's chunks as its
-    saving layout (an explicit layout, one block per saved chunk, numbered
-    in DCP's order); non-tensor items become JSON leaves.
-
-    Parameters
-    ----------
-    src : str
-        The DCP checkpoint directory.
-    dst : str
-        The new checkpoint.
-    src_storage_options : dict, optional
-        fsspec options for ``src``.
-    **options
-        As for :func:`reshard.store.create`.
-
-    Returns
-    -------
-    dict
-        ``{"tensors": n, "leaves": n, "bytes": n, "skipped": [names]}``:
-        ``skipped`` names non-tensor items that are not JSON (warned about).
-    """
-    src_store = Storage(src, src_storage_options)
-    try:
-        raw = src_store.read(".metadata")
-    except FileNotFoundError:
-        raise FormatError(f"{src_store.url}: no DCP .metadata file") from None
-    md = read_dcp_metadata(raw)
-    where = {(idx.fqn, None if idx.offset is None else tuple(idx.offset)): info
-             for idx, info in md.storage_data.items()}
-    layouts, dtypes, items, skipped = {}, {}, {}, []
-    for fqn, item in md.state_dict_metadata.items():
-        if hasattr(item, "chunks"):
-            blocks = [(i, tuple(c.offsets), tuple(c.sizes), 0) for i, c in enumerate(item.chunks)]
-            layouts[fqn] = Layout.from_blocks(tuple(item.size), blocks)
-            dtypes[fqn] = str(item.properties.dtype).removeprefix("torch.")
-        else:
-            value = _dcp_item(src_store, where[(fqn, None)], f"item {fqn!r}")
-            try:
-                items[fqn] = to_json(value, fqn)
-            except TypeError as e:
-                warnings.warn(f"import_dcp: skipping {fqn!r}: {e}", stacklevel=2)
-                skipped.append(fqn)
-    leaves = _regroup(items, getattr(md, "planner_data", None) or {}, layouts)
-    writer = create(dst, layouts, **options)
-    metas = {n: writer.meta(n, lay, dtypes[n]) for n, lay in layouts.items()}
-    total = 0
-    for fqn, item in md.state_dict_metadata.items():
-        for chunk in getattr(item, "chunks", ()):
-            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
-            tensor = _dcp_item(src_store, where[(fqn, offsets)], f"chunk {list(offsets)} of {fqn!r}")
-            if tuple(tensor.shape) != sizes:
-                raise FormatError(f"{src_store.url}: chunk {list(offsets)} of {fqn!r} has shape "
-                                  f"{list(tensor.shape)}, the metadata says {list(sizes)}")
-            array = to_numpy(tensor)
-            region = tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))
-            writer.write_block(metas[fqn], region, array)
-            total += array.nbytes
-    writer.write_manifests(metas, leaves)
-    writer.commit()
-    return {"tensors": len(layouts), "leaves": len(leaves), "bytes": total, "skipped": skipped}
 
 
 # -------------------------------------------------------------- export

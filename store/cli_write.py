@@ -1,0 +1,130 @@
+"""The ``reshard`` commands that write: ``redivide``, ``export``, ``demo``.
+
+The argument parser and ``main`` are in :mod:`reshard.store.cli`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .cli_commands import emit, open_url, storage_options
+from .display import human_bytes
+from .format import ArrayMeta
+
+#: Name components that mark optimizer states for ``redivide --opt-shard``.
+OPT_WORDS = ("optimizer", "optim", "exp_avg", "exp_avg_sq", "moments", "adam_m", "adam_v")
+
+
+# ----------------------------------------------------------- redivide
+def short_layouts(arrays: dict[str, ArrayMeta], tp: int, dp: int = 1, opt_shard: bool = False) -> dict[str, Any]:
+    """The ``--tp/--dp`` rule: mesh ``[dp, tp]`` (rank = d*tp + t), dim 0 of 2+-d tensors over tp.
+
+    Vectors and scalars are replicated on every rank. With ``opt_shard``, tensors
+    with a name component in :data:`OPT_WORDS` are also split over dp (MindSpore
+    optimizer sharding, when dim 0 of the tp piece divides by dp). Splits that
+    do not divide give the first pieces one more row (``balanced``).
+    """
+    from reshard.layouts import Layout
+
+    if tp < 1 or dp < 1:
+        raise ValueError(f"--tp and --dp must be at least 1, got tp={tp} dp={dp}")
+    out = {}
+    for name, meta in arrays.items():
+        dims = ((1,),) + ((),) * (len(meta.shape) - 1) if len(meta.shape) >= 2 else ((),) * len(meta.shape)
+        opt = -1 if opt_shard and dp > 1 and set(name.split(".")) & set(OPT_WORDS) else None
+        out[name] = Layout(meta.shape, (dp, tp), dims=dims, split="balanced", opt_shard=opt)
+    return out
+
+
+def load_layout_spec(path: str, arrays: dict[str, ArrayMeta]) -> dict[str, Any]:
+    """Layouts from a MindSpore strategy file (protobuf or JSON) or a ``{name: Layout.to_json()}`` file."""
+    from reshard.layouts import Layout, parse_strategy
+
+    raw = Path(path).read_bytes()
+    shapes = {n: list(m.shape) for n, m in arrays.items()}  # lists: parse_strategy drops tuple shapes
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        return parse_strategy(raw, shapes)  # protobuf
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: a layout file must hold a JSON object")
+    if "parallel_layout_item" in obj or any(isinstance(v, dict) and "dev_matrix" in v for v in obj.values()):
+        return parse_strategy(obj, shapes)
+    return {name: Layout.from_json(doc) for name, doc in obj.items()}
+
+
+def cmd_redivide(args: argparse.Namespace) -> int:
+    """``reshard redivide SRC DST``: write SRC again under ``--layout`` or ``--tp/--dp`` layouts."""
+    from reshard.layouts.errors import CheckpointExistsError
+
+    from .ops import redivide
+
+    ckpt = open_url(args.src, args)
+    opts = storage_options(args.storage_option)
+    if args.layout is not None:
+        if args.dp != 1 or args.opt_shard:
+            args.parser.error("--dp and --opt-shard belong to the short form (--tp)")
+        layouts = load_layout_spec(args.layout, ckpt.arrays)
+        unknown = sorted(set(layouts) - set(ckpt.arrays))
+        if unknown:
+            print(f"note: {len(unknown)} layouts name tensors {args.src} lacks, e.g. {unknown[:3]}", file=sys.stderr)
+    else:
+        layouts = short_layouts(ckpt.arrays, args.tp, args.dp, args.opt_shard)
+    t0 = time.perf_counter()
+    try:
+        stats = redivide(ckpt, args.dst, layouts, overwrite=args.overwrite, compression=args.compression,
+                         storage_options=opts)
+    except CheckpointExistsError:
+        raise CheckpointExistsError(f"{args.dst} already holds a committed checkpoint (--overwrite replaces it)"
+                                    ) from None
+    seconds = time.perf_counter() - t0
+    kept = len([n for n in ckpt.arrays if n not in layouts])
+    print(f"redivided {len(ckpt.arrays) - kept} tensors ({kept} kept their layout), {human_bytes(ckpt.nbytes)}, "
+          f"{args.src} -> {args.dst} in {seconds:.2f} s; read {stats.requests} requests, "
+          f"{human_bytes(stats.bytes_fetched)}")
+    return 0
+
+
+# ------------------------------------------------------ export, demo
+def cmd_export(args: argparse.Namespace) -> int:
+    """``reshard export SRC FILE``: one safetensors, npz or torch file, or MindSpore rank files."""
+    fmt = args.format or {".npz": "npz", ".pt": "torch", ".pth": "torch"}.get(Path(args.file).suffix, "safetensors")
+    if args.prefix and fmt != "torch":
+        args.parser.error("--prefix applies to --format torch only")
+    if (fmt == "mindspore") != bool(args.strategy):
+        args.parser.error("--format mindspore needs --strategy, and --strategy needs --format mindspore")
+    t0 = time.perf_counter()
+    if fmt == "mindspore":
+        from .frontends.mindspore import export_mindspore
+
+        files = export_mindspore(args.src, args.file, Path(args.strategy).read_bytes(),
+                                 storage_options=storage_options(args.storage_option))
+        print(f"exported {len(files)} rank files under {args.file} in {time.perf_counter() - t0:.2f} s")
+        return 0
+    if fmt == "torch":  # torch.save needs every tensor in memory at once
+        from .frontends.torch import export_torch
+
+        stats = export_torch(args.src, args.file, prefix=args.prefix,
+                             storage_options=storage_options(args.storage_option))
+    else:
+        stats = open_url(args.src, args).export(args.file, format=fmt)
+    seconds = time.perf_counter() - t0
+    print(f"exported {human_bytes(stats.bytes_delivered)} of tensors to {args.file} ({fmt}) in {seconds:.2f} s "
+          f"({stats.bytes_delivered / 1e6 / max(seconds, 1e-9):.0f} MB/s)")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """``reshard demo``: run :func:`reshard.store.demo.run_demo` (a table, or its rows with ``--json``)."""
+    from .demo import run_demo
+
+    rows = run_demo(args.out, ranks=args.ranks, quick=args.quick, echo=None if args.json else print)
+    if args.json:
+        emit(args, [{"phase": r.phase, "tensors": r.tensors, "bytes": r.nbytes, "seconds": r.seconds}
+                     for r in rows], "")
+    return 0
