@@ -29,7 +29,7 @@ from .cli_commands import (
     storage_options,
     tensor_stats,
 )
-from .cli_write import OPT_WORDS, cmd_demo, cmd_export, cmd_redivide, load_layout_spec, short_layouts
+from .cli_write import EXPORT_FORMATS, OPT_WORDS, cmd_demo, cmd_export, cmd_redivide, load_layout_spec, short_layouts
 
 __all__ = [
     "build_parser", "main", "register_import",
@@ -126,9 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compression", choices=["zstd"], help="compress the new chunks")
     p = add("export", cmd_export, "stream every tensor into one file (safetensors, npz, torch), "
             "or into MindSpore per-rank files", json_out=False)
-    p.add_argument("src")
-    p.add_argument("file", help="the output file (a folder for --format mindspore)")
-    p.add_argument("--format", choices=["safetensors", "npz", "torch", "mindspore"],
+    p.usage = "%(prog)s [-h] [-S KEY=VALUE] [--format F] [--strategy FILE] [--prefix P] [FORMAT] SRC FILE"
+    p.add_argument("paths", nargs="+", metavar="[FORMAT] SRC FILE",
+                   help="FORMAT, if given, is --format (reshard export mindspore SRC DIR --strategy FILE); "
+                        "FILE is the output file (a folder for mindspore)")
+    p.add_argument("--format", choices=EXPORT_FORMATS,
                    help="default from FILE's extension: .npz, .pt/.pth (torch), else safetensors")
     p.add_argument("--strategy", help="mindspore only: the target strategy file (rank_N/ folders are written)")
     p.add_argument("--prefix", default="", help="torch only: export the tensors under PREFIX, named without it "

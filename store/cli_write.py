@@ -91,8 +91,17 @@ def cmd_redivide(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------ export, demo
+EXPORT_FORMATS = ("safetensors", "npz", "torch", "mindspore")
+
+
 def cmd_export(args: argparse.Namespace) -> int:
-    """``reshard export SRC FILE``: one safetensors, npz or torch file, or MindSpore rank files."""
+    """``reshard export [FORMAT] SRC FILE``: one safetensors, npz or torch file, or MindSpore rank files."""
+    if len(args.paths) == 3 and args.paths[0] in EXPORT_FORMATS and args.format in (None, args.paths[0]):
+        args.format = args.paths[0]
+    elif len(args.paths) != 2:
+        args.parser.error(f"expected [FORMAT] SRC FILE with FORMAT one of {', '.join(EXPORT_FORMATS)} "
+                          f"(agreeing with --format), got {' '.join(args.paths)}")
+    args.src, args.file = args.paths[-2:]
     fmt = args.format or {".npz": "npz", ".pt": "torch", ".pth": "torch"}.get(Path(args.file).suffix, "safetensors")
     if args.prefix and fmt != "torch":
         args.parser.error("--prefix applies to --format torch only")

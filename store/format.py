@@ -6,6 +6,7 @@ version of every rule in this module.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import re
@@ -147,11 +148,12 @@ class ArrayMeta:
     compressor: str | None = None
     origin: Any = None
 
-    @property
+    @functools.cached_property
     def path(self) -> str:
+        """The zarr path of the tensor (computed once: every shard key uses it)."""
         return tensor_path(self.name)
 
-    @property
+    @functools.cached_property
     def np_dtype(self) -> np.dtype[Any]:
         return numpy_dtype(self.dtype)
 

@@ -29,10 +29,13 @@ def test_import_and_export_mindspore_from_the_command_line(tmp_path: Path) -> No
     target = {"w": Layout.from_mindspore([2, 1], [1, 0], w.shape)}
     (tmp_path / "infer.json").write_bytes(dump_strategy(target))
     out = tmp_path / "out"
+    # the long form and the spelling, `export mindspore SRC DIR`, do the same
     assert main(["export", url, str(out), "--format", "mindspore", "--strategy", str(tmp_path / "infer.json")]) == 0
-    for rank in range(2):
-        (path,) = (out / f"rank_{rank}").glob("*.ckpt")
-        np.testing.assert_array_equal(ms.read_ckpt(path)["w"], w[target["w"].region(rank)])
+    assert main(["export", "mindspore", url, str(tmp_path / "out2"), "--strategy", str(tmp_path / "infer.json")]) == 0
+    for folder in (out, tmp_path / "out2"):
+        for rank in range(2):
+            (path,) = (folder / f"rank_{rank}").glob("*.ckpt")
+            np.testing.assert_array_equal(ms.read_ckpt(path)["w"], w[target["w"].region(rank)])
 
 
 def test_import_errors_are_one_line(tmp_path: Path) -> None:
@@ -44,6 +47,9 @@ def test_import_errors_are_one_line(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert proc.stderr.startswith("reshard: error:") and "Traceback" not in proc.stderr
     assert main(["export", "x", "y", "--format", "mindspore"]) == 2  # --strategy is required
+    assert main(["export", "parquet", "x", "y"]) == 2  # not a format
+    assert main(["export", "npz", "x", "y", "--format", "torch"]) == 2  # two formats that disagree
+    assert main(["export", "x"]) == 2
 
 
 def test_import_dcp_from_the_command_line(tmp_path: Path) -> None:
