@@ -115,6 +115,8 @@ class Runner:
                        size, "" if s == "dcp" else "1 process, 8 CPU devices")
         self.cat(label, load, ckpt["url"], size)
         self.group(label, load, "reshard", "bench.tasks_reshard:Load", 7, ckpt, size)
+        self.group(label, load, "reshard out=", "bench.tasks_reshard:Load", 7, {**ckpt, "into": True}, size,
+                   "into buffers allocated before timing")
         self.group(label, load, "np.load", "bench.tasks_plain:NpLoad", 8, {**base, "url": self.dir(f"{label}-np")},
                    size, "8 ranks read back their own files")
         for s in systems:
@@ -164,6 +166,8 @@ class Runner:
                        {**base, "url": self.dir(f"W3-{s}")}, size)
         self.cat("W3", load, ckpt["url"], size)
         self.group("W3", load, "reshard", "bench.tasks_reshard:Load", 6, ckpt, size)
+        self.group("W3", load, "reshard out=", "bench.tasks_reshard:Load", 6, {**ckpt, "into": True}, size,
+                   "into buffers allocated before timing")
         for s in systems:
             self.group("W3", load, s, f"bench.tasks_{s}:Load", 6 if s == "dcp" else 1,
                        {**base, "url": self.dir(f"W3-{s}")}, size)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -79,12 +79,17 @@ def to_json(value: Any, name: str) -> Any:
     return value
 
 
-def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
-    """Nest a ``{dotted name: value}`` mapping back into dicts."""
+def unflatten(flat: Mapping[str, Any], paths: Mapping[str, Sequence[str]] | None = None) -> dict[str, Any]:
+    """Nest a ``{dotted name: value}`` mapping back into dicts.
+
+    ``paths`` gives some names' key paths explicitly (keys that contain dots,
+    e.g. ``["module_pipeline", "m_stage3.linear.weight"]``); other names split
+    at every dot.
+    """
     out: dict[str, Any] = {}
     for name, value in flat.items():
         node = out
-        *parents, last = name.split(".")
+        *parents, last = (paths or {}).get(name) or name.split(".")
         for p in parents:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):

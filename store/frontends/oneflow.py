@@ -47,7 +47,7 @@ from reshard.layouts import Layout
 from reshard.layouts.errors import BadNameError, LayoutError
 
 from ..reader import Checkpoint, open
-from ..tree import flatten, is_tensor
+from ..tree import flatten, is_tensor, unflatten
 from ..writer import CheckpointWriter, create
 from .oneflow_npz import KeyPath, key_str, load_npz, save_npz, walk
 
@@ -308,20 +308,6 @@ def save_oneflow(state: Mapping[Any, Any] | None, url: str, ranks: Any, spec: Sb
     return writer
 
 
-def _nest(flat: Mapping[str, Any], paths: Mapping[str, Sequence[str]]) -> dict[str, Any]:
-    """Nest ``{dotted name: value}`` by recorded key paths (else by the dots)."""
-    out: dict[str, Any] = {}
-    for name, value in flat.items():
-        *parents, last = paths.get(name) or name.split(".")
-        node = out
-        for p in parents:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise BadNameError(f"{name!r} lies under {p!r}, which is a tensor or leaf")
-        node[last] = value
-    return out
-
-
 def _paths_of(ckpt: Checkpoint) -> dict[str, list[str]]:
     out = {}
     for name, meta in ckpt.arrays.items():
@@ -365,14 +351,14 @@ def load_oneflow(src: str | Checkpoint, rank: int, ranks: Any, spec: SbpLike, *,
     ckpt = src if isinstance(src, Checkpoint) else open(src, storage_options=storage_options)
     paths = _paths_of(ckpt)
     lazy = {n: ckpt[n] for n in ckpt.arrays}
-    tree = _nest({**ckpt.leaves, **lazy}, paths)
+    tree = unflatten({**ckpt.leaves, **lazy}, paths)
     wanted = list(names) if names is not None else list(ckpt.arrays)
     missing = [n for n in wanted if n not in ckpt.arrays]
     if missing:
         raise KeyError(f"{ckpt.url} holds no tensors {missing}")
     layouts = {n: Layout.from_oneflow(ranks, _sbp_of(spec, tree, lazy[n]), ckpt.arrays[n].shape) for n in wanted}
     pieces, _ = flatten(ckpt.load(layouts, rank), ckpt.arrays)
-    return _nest({**ckpt.leaves, **pieces}, paths)
+    return unflatten({**ckpt.leaves, **pieces}, paths)
 
 
 __all__ = ["global_shapes", "load_npz", "load_oneflow", "placement_layouts", "placement_ranks", "save_npz",
