@@ -72,13 +72,18 @@ def tensor_name(path: str) -> str:
 
 
 # --------------------------------------------------------------- chunk grids
-def shard_shape(layout: Layout) -> tuple[int, ...]:
+def shard_shape(layout: Layout, single_writer: bool = False) -> tuple[int, ...]:
     """Return the zarr chunk (= shard) shape for a saving layout.
 
     A regular layout uses one writer block as the shard. A layout whose blocks
     are not the cells of a regular grid (balanced splits, explicit blocks) uses,
     per dim, the gcd of all block boundaries: every shard then lies inside
     exactly one block, so every shard object still has exactly one writer.
+
+    With ``single_writer`` (one process writes the whole tensor, e.g.
+    :func:`reshard.store.redivide`) an irregular layout gets the regular grid
+    of its piece count instead, ``ceil(size / pieces)`` per dim: a balanced
+    split of 256 over 7 ranks is 7 shards of up to 37, not 256 shards of 1.
     """
     if not layout.shape:
         return ()
@@ -87,6 +92,8 @@ def shard_shape(layout: Layout) -> tuple[int, ...]:
         if blocks:
             return tuple(max(1, s.stop - s.start) for s in blocks[0].region)
         return tuple(max(1, n) for n in layout.shape)
+    if single_writer:
+        return tuple(max(1, -(-n // max(1, len(layout.boundaries(d)) - 1))) for d, n in enumerate(layout.shape))
     return tuple(
         max(1, math.gcd(*layout.boundaries(d))) for d in range(len(layout.shape))
     )

@@ -140,9 +140,9 @@ def redivide(src: str | Checkpoint, dst: str, layouts: LayoutSpec, *, scheduler:
         else:
             targets[name] = ckpt._target(layouts, meta)
     writer = create(dst, targets, **options)
-    metas = {n: writer.meta(n, targets[n], m.dtype) for n, m in ckpt.arrays.items()}
+    metas = {n: writer.meta(n, targets[n], m.dtype, single_writer=True) for n, m in ckpt.arrays.items()}
     items = [(meta, metas[name], idx) for name, meta in ckpt.arrays.items()
-             for block in targets[name].blocks() for idx in metas[name].shards_in(block.region)]
+             for idx in metas[name].shards_in(tuple(slice(0, n) for n in meta.shape))]
     cap = graph.fusion_cap(fusion)
     groups = graph.fuse(items, lambda it: math.prod(_extent(it[1], it[2])) * it[1].np_dtype.itemsize,
                         cap, min(fuse_bytes, budget))

@@ -112,9 +112,14 @@ class CheckpointWriter:
         """The saving layout of tensor ``name``."""
         return resolve_layout(self.layouts, name, self.shapes.get(name, shape))
 
-    def meta(self, name: str, layout: Layout, dtype: str) -> ArrayMeta:
-        """The array record a tensor will be stored with."""
-        shard = shard_shape(layout)
+    def meta(self, name: str, layout: Layout, dtype: str, single_writer: bool = False) -> ArrayMeta:
+        """The array record a tensor will be stored with.
+
+        ``single_writer``: one process writes every shard of the tensor (see
+        :func:`reshard.store.format.shard_shape`); the shard shape is then
+        recorded in the manifests.
+        """
+        shard = shard_shape(layout, single_writer)
         itemsize = np.dtype(_np(dtype)).itemsize
         size = math.prod(shard) * itemsize
         # A small shard is one chunk: readers fetch it whole anyway (SMALL_SHARD_BYTES),
@@ -213,6 +218,7 @@ class CheckpointWriter:
                 n: {
                     "dtype": m.dtype,
                     "chunk": list(m.chunk),
+                    "shard": list(m.shard),
                     "checksums": m.checksums,
                     "compressor": m.compressor,
                     "layout": m.layout.to_json(),
@@ -352,12 +358,22 @@ def merge_manifests(url: str, manifests: dict[int, dict[str, Any]]) -> tuple[dic
                 continue
             seen[name] = (rank, t)
             layout = Layout.from_json(t["layout"])
-            shard = shard_shape(layout)
+            shard = _shard_of(url, name, layout, t.get("shard"))
             metas[name] = ArrayMeta(name=name, shape=tuple(layout.shape), dtype=t["dtype"], shard=shard,
                                     chunk=tuple(t["chunk"]), layout=layout, checksums=t["checksums"],
                                     compressor=t["compressor"], origin=layout.origin)
             tensor_path(name)  # validates the name once more
     return metas, leaves
+
+
+def _shard_of(url: str, name: str, layout: Layout, recorded: Any) -> tuple[int, ...]:
+    """The shard shape a manifest records (checked to be one of the two grids), else the per-rank grid."""
+    grids = {shard_shape(layout), shard_shape(layout, single_writer=True)}
+    shard = shard_shape(layout) if recorded is None else tuple(recorded)
+    if shard not in grids:
+        raise FormatError(f"{url}: tensor {name!r}: manifest records shard shape {list(shard)}, "
+                          f"layout {layout.describe()} allows {sorted(map(list, grids))}")
+    return shard
 
 
 def _read_json(storage: Storage, key: str) -> Any:

@@ -112,3 +112,39 @@ def test_one_rank_reads_only_what_it_needs(tmp_path):
     assert needed <= read <= 1.25 * needed, (read, needed)
     assert ckpt.last_stats.bytes_fetched <= 1.25 * needed
     assert ckpt.last_stats.bytes_delivered == needed
+
+
+def test_redivide_onto_irregular_layouts_writes_a_coarse_grid(saved, tmp_path):
+    """One process writes every shard of a redivided tensor, so a balanced split of 256
+    over 7 ranks is 7 shards of up to 37 (not 256 shards of 1, the per-rank gcd grid);
+    plain zarr reads it and every rank still loads exactly its part."""
+    import json
+
+    import zarr
+
+    vec = RNG.standard_normal(256).astype(np.float32)
+    src = tmp_path / "src"
+    bal = saved[1]["bal"]
+    rs.save({"v": vec, "bal": bal}, src, {"v": Layout.from_dtensor((2,), ["S(0)"], vec.shape),
+                                          "bal": Layout.from_dtensor((2,), ["S(0)"], bal.shape)})
+    target = {"v": Layout.from_oneflow(list(range(7)), "S(0)", vec.shape),  # 37, 37, 37, 37, 36, 36, 36
+              "bal": Layout.from_oneflow(list(range(4)), "S(1)", (20, 6))}  # 2, 2, 1, 1 columns
+    per_rank = tmp_path / "per-rank"
+    rs.save({"v": vec}, per_rank, {"v": target["v"]})
+    assert rs.open(per_rank)["v"].meta.shard == (1,)  # ranks write their own blocks: the gcd grid
+    rs.redivide(str(src), str(tmp_path / "dst"), target)
+    ckpt = rs.open(tmp_path / "dst")
+    assert ckpt["v"].meta.shard == (37,) and ckpt["bal"].meta.shard == (20, 2)
+    assert len(list((tmp_path / "dst" / "v" / "c").iterdir())) == 7
+    np.testing.assert_array_equal(zarr.open_array(str(tmp_path / "dst" / "v"), mode="r")[:], vec)
+    for name, arr in {"v": vec, "bal": bal}.items():
+        for rank in target[name].ranks:
+            np.testing.assert_array_equal(ckpt.load(target, rank)[name], arr[target[name].region(rank)])
+    manifest = tmp_path / "dst" / ".reshard" / "ranks" / "0.json"
+    doc = json.loads(manifest.read_text())
+    doc["tensors"]["v"]["shard"] = [5]  # neither grid of the layout
+    manifest.write_text(json.dumps(doc))
+    for key in ("commit.json", "commit.lock"):  # committing again merges the manifests
+        (tmp_path / "dst" / ".reshard" / key).unlink()
+    with pytest.raises(rs.FormatError, match=r"'v'.*shard shape \[5\]"):
+        rs.commit(str(tmp_path / "dst"))
