@@ -23,12 +23,11 @@ Explicit = tuple[tuple[int, tuple[int, ...], tuple[int, ...], int], ...]
 
 def _ints(value: Any, what: str, minimum: int = 0) -> tuple[int, ...]:
     try:
-        out = tuple(int(v) for v in value)
+        out = tuple(map(int, value))
     except (TypeError, ValueError):
         raise LayoutError(f"{what} must be a sequence of ints, got {value!r}") from None
-    for v in out:
-        if v < minimum:
-            raise LayoutError(f"{what} {list(out)} holds {v}, below the minimum {minimum}")
+    if out and min(out) < minimum:
+        raise LayoutError(f"{what} {list(out)} holds {min(out)}, below the minimum {minimum}")
     return out
 
 

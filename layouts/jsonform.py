@@ -50,7 +50,7 @@ def to_json(layout: Layout) -> dict[str, Any]:
 
 
 def _int_list(obj: Any, what: str) -> list[int]:
-    if not isinstance(obj, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in obj):
+    if type(obj) is not list or not all(type(v) is int for v in obj):  # JSON ints only: no bools
         raise FormatError(f"layout JSON field {what!r} must be a list of ints, got {obj!r}")
     return obj
 
