@@ -22,7 +22,7 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = ["ProxyRecord", "S3Proxy"]
 
@@ -226,7 +226,27 @@ class _ProxyHTTPServer(http.server.ThreadingHTTPServer):
     proxy: S3Proxy
 
 
-class S3Proxy:
+_S = TypeVar("_S", bound="LocalService")
+
+
+class LocalService:
+    """``with service:`` starts it and stops it; subclasses define ``start`` (returning self) and ``stop``."""
+
+    def start(self: _S) -> _S:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _S) -> _S:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+
+class S3Proxy(LocalService):
     """Threaded HTTP reverse proxy that counts requests and injects S3-style faults.
 
     Every request is forwarded verbatim (method, path, query, headers including ``Range``
@@ -314,17 +334,6 @@ class S3Proxy:
         server.server_close()
         if self._thread is not None:
             self._thread.join(timeout=5)
-
-    def __enter__(self) -> S3Proxy:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     @property
     def endpoint_url(self) -> str:

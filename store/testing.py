@@ -51,10 +51,9 @@ from __future__ import annotations
 import http.client
 import urllib.parse
 import uuid
-from types import TracebackType
 from typing import Any
 
-from .s3proxy import ProxyRecord, S3Proxy
+from .s3proxy import LocalService, ProxyRecord, S3Proxy
 
 __all__ = ["LocalS3Server", "ProxyRecord", "S3Proxy", "s3_storage_options"]
 
@@ -104,7 +103,7 @@ def s3_storage_options(endpoint_url: str, **extra: Any) -> dict[str, Any]:
     return opts
 
 
-class LocalS3Server:
+class LocalS3Server(LocalService):
     """An in-process moto S3 server on ``127.0.0.1`` and a free port.
 
     Parameters
@@ -147,17 +146,6 @@ class LocalS3Server:
         wsgi = getattr(server, "_server", None)
         if wsgi is not None:
             wsgi.server_close()
-
-    def __enter__(self) -> LocalS3Server:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     @property
     def running(self) -> bool:
