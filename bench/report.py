@@ -34,7 +34,7 @@ def machine() -> dict[str, str]:
         except importlib.metadata.PackageNotFoundError:
             versions.append(f"{p} absent")
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{cpu}, {os.cpu_count()} cores, {mem / 2**30:.0f} GiB RAM, {platform.system()} "
                    f"{platform.release()}",
         "python": platform.python_version(),
