@@ -113,6 +113,30 @@ def test_inspect_s3_reads_no_data(ckpt_url, s3_proxy, s3_bucket, capsys):
     assert paths and not [p for p in paths if "/c/" in p], paths  # metadata only, no shard touched
 
 
+@pytest.mark.parametrize("source", ["env", "profile"])
+def test_inspect_s3_takes_credentials_from_the_usual_places(ckpt_url, s3_proxy, s3_bucket, tmp_path, source):
+    """No -S options: key and endpoint come from AWS_* variables or a named profile, as boto does."""
+    url = f"s3://{s3_bucket}/step-100"
+    rs.redivide(ckpt_url, url, {}, storage_options=s3_proxy.storage_options())
+    s3_proxy.reset_counters()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(HOME=str(tmp_path), AWS_ENDPOINT_URL=s3_proxy.endpoint_url, AWS_DEFAULT_REGION="us-east-1",
+               AWS_EC2_METADATA_DISABLED="true")
+    if source == "env":
+        env.update(AWS_ACCESS_KEY_ID="fromenv", AWS_SECRET_ACCESS_KEY="x")
+    else:
+        creds = tmp_path / "credentials"
+        creds.write_text("[ckpt]\naws_access_key_id = fromprofile\naws_secret_access_key = x\n")
+        env.update(AWS_SHARED_CREDENTIALS_FILE=str(creds), AWS_PROFILE="ckpt")
+    proc = subprocess.run([sys.executable, "-m", "reshard.store.cli", "inspect", url, "--json"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["totals"]["tensors"] == 39
+    signed = {r.headers.get("authorization", "").split("Credential=")[-1].split("/")[0]
+              for r in s3_proxy.records("GET")}
+    assert signed == {f"from{source}"}
+
+
 def test_uncommitted_is_refused_in_one_line(copy, capsys):
     os.remove(Path(copy, ".reshard", "commit.json"))
     assert run("inspect", copy) == 1
