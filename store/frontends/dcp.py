@@ -11,7 +11,7 @@ loads. Also importable from :mod:`reshard.store.frontends.torch`.
 from __future__ import annotations
 
 import io
-import pickle
+import pickle  # only for a RESTRICTED reader of DCP's own .metadata (see _DCPMetadataUnpickler); never in our format
 import warnings
 from collections.abc import Mapping
 from typing import Any
