@@ -152,6 +152,8 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
                     if key not in self._indexes:
                         wanted[key] = meta
         blobs: dict[str, memoryview] = {}
+        shard_bytes = {k: math.prod(m.shard) * m.np_dtype.itemsize for k, m in wanted.items()}
+        small = {k: n <= self.small_shard_bytes for k, n in shard_bytes.items()}
 
         def fetch(key: str, meta: ArrayMeta) -> int:
             n = meta.index_nbytes()
@@ -168,10 +170,9 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
             self._indexes[key] = decode_index(data, meta, key)
             return size
 
-        small = {k: math.prod(m.shard) * m.np_dtype.itemsize <= self.small_shard_bytes for k, m in wanted.items()}
         sizes = pool.run_batched([functools.partial(fetch, k, m) for k, m in wanted.items()],
-                                 [math.prod(m.shard) * m.np_dtype.itemsize if small[k] else m.index_nbytes()
-                                  for k, m in wanted.items()], self.storage.local)
+                                 [shard_bytes[k] if small[k] else m.index_nbytes() for k, m in wanted.items()],
+                                 self.storage.local)
         return blobs, sizes
 
     def read(self, name: str, region: Region | None = None) -> np.ndarray:

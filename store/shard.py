@@ -123,12 +123,6 @@ class Request:
         return self.stop - self.start
 
 
-def chunks_in(meta: ArrayMeta, shard: tuple[int, ...], region: Region) -> Iterator[tuple[int, Region]]:
-    """(flat index in shard, global chunk region) of inner chunks meeting ``region``."""
-    for flat, chunk, *_ in _chunk_parts(meta, shard, region):
-        yield flat, chunk
-
-
 def _chunk_parts(meta: ArrayMeta, shard: tuple[int, ...], region: Region, shape: tuple[int, ...] = ()
                  ) -> Iterator[tuple[int, Region, Region, Region, bool, bool]]:
     """Per inner chunk meeting ``region``: flat index, global chunk region, ``src``,

@@ -367,13 +367,15 @@ def merge_manifests(url: str, manifests: dict[int, dict[str, Any]]) -> tuple[dic
 
 
 def _shard_of(url: str, name: str, layout: Layout, recorded: Any) -> tuple[int, ...]:
-    """The shard shape a manifest records (checked to be one of the two grids), else the per-rank grid."""
-    grids = {shard_shape(layout), shard_shape(layout, single_writer=True)}
-    shard = shard_shape(layout) if recorded is None else tuple(recorded)
-    if shard not in grids:
-        raise FormatError(f"{url}: tensor {name!r}: manifest records shard shape {list(shard)}, "
-                          f"layout {layout.describe()} allows {sorted(map(list, grids))}")
-    return shard
+    """The shard shape a manifest records (checked to be one of the layout's two grids), else the per-rank grid."""
+    per_rank = shard_shape(layout)
+    if recorded is None or tuple(recorded) == per_rank:
+        return per_rank
+    single = shard_shape(layout, single_writer=True)
+    if tuple(recorded) != single:
+        raise FormatError(f"{url}: tensor {name!r}: manifest records shard shape {list(recorded)}, "
+                          f"layout {layout.describe()} allows {sorted({per_rank, single})}")
+    return single
 
 
 def _read_json(storage: Storage, key: str) -> Any:
