@@ -8,15 +8,16 @@ with ``Checkpoint.load``, redivide with :func:`redivide`.
 from reshard.layouts.errors import *  # noqa: F403  (one errors module for the project)
 from reshard.layouts.errors import __all__ as _errors
 
-from .dtypes import SUPPORTED as SUPPORTED_DTYPES
-from .dtypes import register_zarr_dtypes
 from .export import export
-from .format import FORMAT_VERSION
+from .format.dtypes import SUPPORTED as SUPPORTED_DTYPES
+from .format.dtypes import register_zarr_dtypes
+from .format.meta import FORMAT_VERSION
 from .graph import LoadResult, load_many
+from .io.storage import IOStats
 from .ops import redivide, save, save_pieces
+from .protocol import commit
 from .reader import Checkpoint, LazyTensor, open
-from .storage import IOStats
-from .writer import CheckpointWriter, commit, create
+from .writer import CheckpointWriter, create
 
 __version__ = "0.1.0"
 

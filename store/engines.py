@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from reshard.layouts.errors import FormatError
 
-from .format import ArrayMeta
+from .format.meta import ArrayMeta
 
 if TYPE_CHECKING:
-    from .reader import Checkpoint
-    from .storage import Storage
+    from .fetch import Fetcher
+    from .io.storage import Storage
 
 Region = tuple[slice, ...]
 
@@ -69,7 +69,7 @@ def zarr_array(storage: Storage, meta: ArrayMeta) -> Any:
     return zarr.open_array(store=store, path=meta.path, mode="r")
 
 
-def read_with_engine(ckpt: Checkpoint, meta: ArrayMeta, region: Region) -> np.ndarray:
+def read_with_engine(ckpt: Fetcher, meta: ArrayMeta, region: Region) -> np.ndarray:
     """Read a region of a tensor with ``ckpt.engine`` (``"tensorstore"`` or ``"zarr"``)."""
     if ckpt.engine == "tensorstore":
         arr = tensorstore_array(ckpt.storage, meta)

@@ -39,8 +39,8 @@ import numpy as np
 from reshard.layouts.errors import BadNameError
 
 from . import graph
-from .format import ArrayMeta
-from .storage import IOStats
+from .format.meta import ArrayMeta
+from .io.storage import IOStats
 
 if TYPE_CHECKING:
     from .reader import Checkpoint

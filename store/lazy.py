@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from reshard.layouts import Layout
 
-from .format import ArrayMeta
+from .format.meta import ArrayMeta
 
 if TYPE_CHECKING:
     from .reader import Checkpoint

@@ -16,11 +16,12 @@ from typing import Any
 import numpy as np
 from reshard.layouts import Layout
 
-from . import graph, pool
-from .format import ArrayMeta
+from . import graph
+from .format.meta import ArrayMeta
+from .format.shard import encode_shard
+from .io import pool
+from .io.storage import IOStats, Storage
 from .reader import Checkpoint, open
-from .shard import encode_shard
-from .storage import IOStats, Storage
 from .tree import LayoutSpec, flatten, resolve_layout
 from .writer import CheckpointWriter, create
 

@@ -8,7 +8,6 @@ touching only the inner chunks that intersect what is asked for.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 from collections.abc import Iterable, Iterator, Mapping
@@ -24,24 +23,15 @@ from reshard.layouts.errors import (
     UncommittedCheckpointError,
 )
 
-from . import pool
-from .format import COMMIT_KEY, FORMAT_VERSION, ArrayMeta, tensor_name
+from .fetch import DEFAULT_GAP, Fetcher
+from .format.meta import COMMIT_KEY, FORMAT_VERSION, ArrayMeta, tensor_name
+from .io.storage import IOStats, Storage
 from .lazy import LazyTensor, Region
-from .shard import SMALL_SHARD_BYTES, Request, coalesce, decode_index, execute, plan_reads
-from .storage import IOStats, Storage
+from .protocol import merge_manifests, read_manifests
 from .tree import LayoutSpec, flatten, resolve_layout, unflatten
-from .writer import merge_manifests, read_manifests
 
 if TYPE_CHECKING:
     from .graph import LoadResult
-
-#: Byte gap under which two chunk reads of one shard become one request.
-DEFAULT_GAP = 64 << 10
-#: Local files: bytes of one request that go through a scratch buffer (chunks
-#: that do not land directly in the destination) stay under this, so the
-#: scratch stays in cache and never is a large fresh allocation.
-LOCAL_TEMP_BYTES = 2 << 20
-
 
 class Checkpoint(Mapping[str, "LazyTensor"]):
     """An open checkpoint: a mapping of dotted names to lazy tensors.
@@ -55,11 +45,8 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
         self.arrays = arrays
         self.leaves = leaves
         self.committed = committed
-        self.engine = engine
-        self.gap = gap
-        #: Shards up to this size are fetched whole, in one request with their index.
-        self.small_shard_bytes = SMALL_SHARD_BYTES
-        self._indexes: dict[str, np.ndarray] = {}
+        #: The one I/O path of every read (shard indexes are cached there).
+        self.fetcher = Fetcher(storage, engine, gap)
 
     # ----------------------------------------------------------- mapping
     def __getitem__(self, name: str) -> LazyTensor:
@@ -103,77 +90,17 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
         return checkpoint_html(self)
 
     # ------------------------------------------------------------ reading
+    @property
+    def engine(self) -> str:
+        return self.fetcher.engine
+
+    @property
+    def gap(self) -> int:
+        return self.fetcher.gap
+
     def read_regions(self, jobs: list[tuple[ArrayMeta, Region, np.ndarray]]) -> IOStats:
-        """Fill destinations from stored regions: the one I/O path of every read.
-
-        Returns the counters of this call (exact also when several threads read
-        through one checkpoint at once; ``self.stats`` sums every call).
-        """
-        delivered = sum(d.nbytes for _, _, d in jobs)
-        if self.engine != "fast":  # the general engines do their own I/O: only deliveries are known
-            from .engines import read_with_engine
-
-            for meta, region, dest in jobs:
-                dest[...] = read_with_engine(self, meta, region)
-            self.storage.count(bytes_delivered=delivered)
-            return IOStats(bytes_delivered=delivered)
-        keys = [[(shard, meta.shard_key(shard)) for shard in meta.shards_in(region)] for meta, region, _ in jobs]
-        blobs, index_bytes = self._fetch_indexes(jobs, keys)
-        temp = LOCAL_TEMP_BYTES if self.storage.local else None
-        work: list[tuple[Request, ArrayMeta, np.ndarray]] = []
-        for (meta, region, dest), shards in zip(jobs, keys, strict=True):
-            reads = []
-            for shard, key in shards:
-                reads += plan_reads(meta, region, self._indexes.get(key), shard, key, dest)
-            if not meta.shape:
-                work.append((Request(reads[0].key, 0, -1, tuple(reads)), meta, dest))
-                continue
-            work += [(req, meta, dest) for req in coalesce(reads, self.gap, max_temp=temp)]
-        fetched = pool.run_batched([functools.partial(execute, self.storage, *w, blobs.get(w[0].key)) for w in work],
-                                   [w[0].nbytes for w in work], self.storage.local)
-        self.storage.count(bytes_delivered=delivered, tasks=len(work))
-        requests = len(index_bytes) + sum(1 for w in work if w[0].key not in blobs)
-        return IOStats(requests=requests, bytes_fetched=sum(index_bytes) + sum(fetched),
-                       bytes_delivered=delivered, tasks=len(work))
-
-    def _fetch_indexes(self, jobs: list[tuple[ArrayMeta, Region, np.ndarray]],
-                       keys: list[list[tuple[tuple[int, ...], str]]]) -> tuple[dict[str, memoryview], list[int]]:
-        """Fetch the shard indexes the jobs need (cached for the checkpoint's life).
-
-        ``keys`` holds each job's (shard, key) pairs. A shard of at most
-        ``small_shard_bytes`` is fetched whole, index and data in one request;
-        its bytes are returned (keyed by shard key) for this call only, with
-        the bytes of each request made.
-        """
-        wanted: dict[str, ArrayMeta] = {}
-        for (meta, _, _), shards in zip(jobs, keys, strict=True):
-            if meta.shape:
-                for _, key in shards:
-                    if key not in self._indexes:
-                        wanted[key] = meta
-        blobs: dict[str, memoryview] = {}
-        shard_bytes = {k: math.prod(m.shard) * m.np_dtype.itemsize for k, m in wanted.items()}
-        small = {k: n <= self.small_shard_bytes for k, n in shard_bytes.items()}
-
-        def fetch(key: str, meta: ArrayMeta) -> int:
-            n = meta.index_nbytes()
-            try:
-                if small[key]:
-                    blob = memoryview(self.storage.read(key))
-                    blobs[key], data = blob, bytes(blob[-n:])
-                    size = blob.nbytes
-                else:
-                    data = self.storage.read_suffix(key, n)
-                    size = len(data)
-            except FileNotFoundError:
-                raise FormatError(f"tensor {meta.name!r}: shard {key!r} is missing from {self.url}") from None
-            self._indexes[key] = decode_index(data, meta, key)
-            return size
-
-        sizes = pool.run_batched([functools.partial(fetch, k, m) for k, m in wanted.items()],
-                                 [shard_bytes[k] if small[k] else m.index_nbytes() for k, m in wanted.items()],
-                                 self.storage.local)
-        return blobs, sizes
+        """Fill destinations from stored regions; see :meth:`reshard.store.fetch.Fetcher.read_regions`."""
+        return self.fetcher.read_regions(jobs)
 
     def read(self, name: str, region: Region | None = None) -> np.ndarray:
         """Read one tensor (or a region of it) into a new numpy array."""
@@ -356,7 +283,7 @@ def _from_manifests(storage: Storage) -> tuple[dict[str, ArrayMeta], dict[str, A
     try:
         return merge_manifests(storage.url, read_manifests(storage))
     except UncommittedCheckpointError:
-        from .writer import _read_json, manifest_key
+        from .protocol import _read_json, manifest_key
 
         present = [int(n.split(".")[0]) for n in storage.list(".reshard/ranks") if n.endswith(".json")]
         manifests = {r: _read_json(storage, manifest_key(r)) for r in present}

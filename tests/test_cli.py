@@ -16,7 +16,7 @@ import pytest
 import reshard.store as rs
 from reshard.layouts import Layout, dump_strategy
 from reshard.store import demo
-from reshard.store.cli import main, parse_region, short_layouts, storage_options
+from reshard.store.cli.app import main, parse_region, short_layouts, storage_options
 from reshard.store.display import human_bytes as display_size
 
 
@@ -346,9 +346,11 @@ def test_storage_options_parsing():
         "anon": True, "client_kwargs": {"region_name": "eu-west-1"}, "n": 3, "s": "a=b"}
 
 
-def test_command_names_stay_importable_from_cli():
-    # the commands live in cli_commands and cli_write; frontends/commands.py and the notebooks import from cli
-    from reshard.store import cli, cli_commands, cli_write
+def test_command_names_stay_importable_from_cli_app():
+    # the commands live in cli.commands and cli.write; cli.app re-exports them for callers of 0.1
+    from reshard.store.cli import app as cli
+    from reshard.store.cli import commands as cli_commands
+    from reshard.store.cli import write as cli_write
 
     assert cli.storage_options is cli_commands.storage_options
     assert cli.compare is cli_commands.compare and cli.tensor_stats is cli_commands.tensor_stats

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import reshard.store as rs
 from reshard.layouts import Layout
-from reshard.store.dtypes import numpy_dtype
 from reshard.store.export import SAFETENSORS_DTYPES, slabs
+from reshard.store.format.dtypes import numpy_dtype
 
 safetensors = pytest.importorskip("safetensors")
 from safetensors import safe_open  # noqa: E402
@@ -209,7 +209,7 @@ def test_export_peak_memory_is_bounded(tmp_path: Path) -> None:
 
 
 def test_slabs_are_contiguous_and_chunk_aligned() -> None:
-    from reshard.store.format import ArrayMeta
+    from reshard.store.format.meta import ArrayMeta
 
     meta = ArrayMeta("x", (10, 6, 4), "float32", (10, 6, 4), (2, 6, 4), Layout.single((10, 6, 4)))
     regions = slabs(meta, 200)  # a row of 96 B: 2 rows fit, cut on the chunk grid (2 rows)

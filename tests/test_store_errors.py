@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import reshard.store as rs
 from reshard.layouts import Layout
-from reshard.store.format import tensor_name, tensor_path
+from reshard.store.format.meta import tensor_name, tensor_path
 
 
 @pytest.mark.parametrize("name", ["a..b", ".a", "a.", "", "../../etc/passwd", "a/../../b"])

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import reshard.store as rs
 from reshard.layouts import Layout
-from reshard.store.dtypes import numpy_dtype
+from reshard.store.format.dtypes import numpy_dtype
 
 RNG = np.random.default_rng(7)
 

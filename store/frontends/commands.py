@@ -54,7 +54,7 @@ def register_import(subparsers: Any, common: argparse.ArgumentParser) -> None:
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
-    from ..cli import storage_options
+    from ..cli.commands import storage_options
 
     return {"storage_options": storage_options(args.storage_option), "overwrite": args.overwrite}
 

@@ -19,7 +19,7 @@ from typing import Any
 from reshard.layouts import Layout
 from reshard.layouts.errors import FormatError
 
-from ..storage import Storage
+from ..io.storage import Storage
 from ..tree import to_json
 from ..writer import create
 
@@ -135,7 +135,7 @@ def import_dcp(src: str, dst: str, *, src_storage_options: dict[str, Any] | None
         ``{"tensors": n, "leaves": n, "bytes": n, "skipped": [names]}``:
         ``skipped`` names non-tensor items that are not JSON (warned about).
     """
-    from .torch import to_numpy
+    from .torch_arrays import to_numpy
 
     src_store = Storage(src, src_storage_options)
     try:

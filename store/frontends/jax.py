@@ -22,7 +22,7 @@ import numpy as np
 from reshard.layouts import Layout
 from reshard.layouts.errors import LayoutError, ShapeMismatchError, TensorNotFoundError
 
-from ..format import ArrayMeta
+from ..format.meta import ArrayMeta
 from ..reader import Checkpoint, open
 from ..tree import to_json, unflatten
 from ..writer import CheckpointWriter, create
@@ -336,6 +336,6 @@ def _flatten_metadata(tree: Any) -> list[tuple[Any, Any]]:
 
 
 def _dtype_name(dtype: Any) -> str:
-    from ..dtypes import dtype_name
+    from ..format.dtypes import dtype_name
 
     return dtype_name(dtype)

@@ -38,7 +38,7 @@ from reshard.layouts import Layout, parse_strategy
 from reshard.layouts import _protowire as pw
 from reshard.layouts.errors import DTypeMismatchError, FormatError, LayoutError, ShapeMismatchError
 
-from ..dtypes import numpy_dtype
+from ..format.dtypes import numpy_dtype
 from ..reader import Checkpoint, open
 from ..tree import flatten
 from ..writer import create

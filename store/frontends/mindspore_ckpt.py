@@ -33,7 +33,7 @@ import numpy as np
 from reshard.layouts import _protowire as pw
 from reshard.layouts.errors import ChecksumError, DTypeMismatchError, FormatError, ShapeMismatchError
 
-from ..dtypes import dtype_name, numpy_dtype
+from ..format.dtypes import dtype_name, numpy_dtype
 
 #: MindSpore ``tensor_type`` -> reshard dtype name.
 TYPES = {

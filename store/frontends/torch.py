@@ -18,58 +18,19 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 from reshard.layouts import Layout
 from reshard.layouts.errors import LayoutError, TensorNotFoundError
 
-from ..dtypes import dtype_name
+from ..io.storage import IOStats
+from ..protocol import commit
 from ..reader import open
-from ..storage import IOStats
 from ..tree import to_json
-from ..writer import commit, create
+from ..writer import create
 from .dcp import import_dcp, read_dcp_metadata
+from .torch_arrays import from_numpy, to_numpy
 
 __all__ = ["export_torch", "from_numpy", "import_dcp", "layout_of", "load", "read_dcp_metadata", "save", "to_numpy"]
-
-#: torch dtypes numpy lacks, moved bit for bit through a same-width integer view.
-_VIEWS = {
-    "bfloat16": ("int16", ml_dtypes.bfloat16),
-    "float8_e4m3fn": ("uint8", ml_dtypes.float8_e4m3fn),
-    "float8_e5m2": ("uint8", ml_dtypes.float8_e5m2),
-}
-
-
-# ------------------------------------------------------------------ tensors
-def to_numpy(tensor: Any) -> np.ndarray:
-    """A numpy array of a torch tensor's values (a view, without copy, for contiguous CPU tensors).
-
-    bfloat16 and float8 go through an integer view of the same width: no
-    float round trip, every bit kept.
-    """
-    import torch
-
-    t = tensor.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
-    name = str(t.dtype).removeprefix("torch.")
-    if name in _VIEWS:
-        int_name, np_dtype = _VIEWS[name]
-        return t.view(getattr(torch, int_name)).numpy().view(np_dtype)
-    return t.numpy()
-
-
-def from_numpy(array: np.ndarray) -> Any:
-    """A CPU torch tensor sharing ``array``'s memory (inverse of :func:`to_numpy`)."""
-    import torch
-
-    name = dtype_name(array.dtype)
-    if name in _VIEWS:
-        int_name, _ = _VIEWS[name]
-        return torch.from_numpy(array.view(int_name)).view(getattr(torch, name))
-    return torch.from_numpy(array)
-
 
 def _is_tensor(value: Any) -> bool:
     import torch

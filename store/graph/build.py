@@ -3,7 +3,7 @@
 Also the task records and bodies that :func:`reshard.store.redivide` and
 :func:`reshard.store.export.export` share (sources, reads, counters). How
 tasks are grouped and run (I/O fusion, the in-flight byte budget, pluggable
-schedulers, the progress bar) lives in :mod:`reshard.store.schedule`; its
+schedulers, the progress bar) lives in :mod:`reshard.store.graph.schedule`; its
 names are importable from here too. See ``docs/dask.md``.
 
 Tasks carry only plain, picklable records (:class:`Source`: the URL, the
@@ -30,33 +30,25 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .format import ArrayMeta
+from ..fetch import Fetcher
+from ..format.meta import ArrayMeta
+from ..io.storage import IOStats, Storage
+from ..tree import LayoutSpec, unflatten
 from .schedule import (
-    DEFAULT_BUDGET,
     DEFAULT_FUSE_BYTES,
-    DEFAULT_FUSION_CAP,
-    Budget,
-    BudgetRef,
-    budget,
     fuse,
     fusion_cap,
     progress_bar,
-    release,
     run,
 )
-from .storage import IOStats, Storage
-from .tree import LayoutSpec, unflatten
 
 if TYPE_CHECKING:
-    from .reader import Checkpoint, LazyTensor
+    from ..reader import Checkpoint, LazyTensor
 
 __all__ = [
     # tasks, reads, dask arrays, load_many
     "LoadResult", "ReadOp", "ReadTask", "Source", "chunk_step", "count_home", "load_many", "open_source",
     "read_block", "read_ops", "read_task", "source_of", "to_dask", "total",
-    # from reshard.store.schedule, used here and by ops.py and export.py as graph.*
-    "DEFAULT_BUDGET", "DEFAULT_FUSE_BYTES", "DEFAULT_FUSION_CAP", "Budget", "BudgetRef", "budget", "fuse",
-    "fusion_cap", "progress_bar", "release", "run",
 ]
 
 Region = tuple[slice, ...]
@@ -93,34 +85,32 @@ def source_of(ckpt: Checkpoint, gap: int | None = None) -> Source:
     with _lock:
         token = vars(ckpt).setdefault("_graph_token", uuid.uuid4().hex)
         _opened[token] = ckpt
-    storage = ckpt.storage
+    fetcher = ckpt.fetcher
+    storage = fetcher.storage
     options = dict(getattr(storage.fs, "storage_options", None) or {})
-    return Source(storage.url, options, ckpt.engine, ckpt.gap if gap is None else int(gap),
-                  storage.retries, token, getattr(ckpt, "small_shard_bytes", None))
+    return Source(storage.url, options, fetcher.engine, fetcher.gap if gap is None else int(gap),
+                  storage.retries, token, fetcher.small_shard_bytes)
 
 
-def open_source(source: Source) -> Checkpoint:
-    """A private :class:`Checkpoint` for one task: its own counters, a shared index cache.
+def open_source(source: Source) -> Fetcher:
+    """A private :class:`Fetcher` for one task: its own counters, a shared index cache.
 
     No metadata is read: tasks carry the :class:`ArrayMeta` of what they read.
     """
-    from .reader import Checkpoint
-
     storage = Storage(source.url, dict(source.storage_options), retries=source.retries)
-    ckpt = Checkpoint(storage, {}, {}, committed=True, engine=source.engine, gap=source.gap)
-    if source.small_shard_bytes is not None:
-        ckpt.small_shard_bytes = source.small_shard_bytes
     home = _opened.get(source.token)
     with _lock:
         if home is not None:
-            ckpt._indexes = home._indexes
+            indexes = home.fetcher.indexes
         else:  # a worker process: a small LRU of index caches, one per checkpoint
             cache = _indexes.pop(source.token, None)
-            _indexes[source.token] = cache if cache is not None else {}
+            indexes = _indexes[source.token] = cache if cache is not None else {}
             while len(_indexes) > 16:
                 _indexes.popitem(last=False)
-            ckpt._indexes = _indexes[source.token]
-    return ckpt
+    fetcher = Fetcher(storage, source.engine, source.gap, indexes)
+    if source.small_shard_bytes is not None:
+        fetcher.small_shard_bytes = source.small_shard_bytes
+    return fetcher
 
 
 def count_home(source: Source, stats: IOStats) -> None:
@@ -165,7 +155,7 @@ class ReadTask:
     shape: tuple[int, ...] | None = None  # to_dask: the block's shape with dropped dims removed
 
 
-def read_ops(ckpt: Checkpoint, ops: Sequence[ReadOp]) -> tuple[list[np.ndarray], IOStats]:
+def read_ops(ckpt: Checkpoint | Fetcher, ops: Sequence[ReadOp]) -> tuple[list[np.ndarray], IOStats]:
     """Read regions into new arrays through the reader's single I/O path."""
     dests = [np.empty(op.shape, dtype=op.meta.np_dtype) for op in ops]
     stats = ckpt.read_regions([(op.meta, op.region, d) for op, d in zip(ops, dests, strict=True)])

@@ -21,8 +21,8 @@ import crc32c as _crc
 import numpy as np
 from reshard.layouts.errors import ChecksumError, FormatError
 
-from .format import MISSING, ArrayMeta
-from .storage import Storage
+from ..io.storage import Storage
+from .meta import MISSING, ArrayMeta
 
 Region = tuple[slice, ...]
 #: Shards up to this many bytes are read whole (index and data in one request)

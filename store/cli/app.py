@@ -1,8 +1,8 @@
 """The ``reshard`` command line (see ``docs/cli.md``): the argument parser and ``main``.
 
 Commands: ``inspect``, ``show``, ``diff``, ``verify`` (in
-:mod:`reshard.store.cli_commands`), ``redivide``, ``export``, ``demo`` (in
-:mod:`reshard.store.cli_write`); framework ``import`` commands are added by
+:mod:`reshard.store.cli.commands`), ``redivide``, ``export``, ``demo`` (in
+:mod:`reshard.store.cli.write`); framework ``import`` commands are added by
 ``reshard.store.frontends.register_import(subparsers, common)`` when it exists.
 Exit codes: 0 success (``diff``: same), 1 failure (``diff``: differ), 2 usage.
 A failure prints one line, ``reshard: error: ...``, unless ``--debug``.
@@ -16,8 +16,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import __version__
-from .cli_commands import (
+from .. import __version__
+from .commands import (
     SLAB_BYTES,
     cmd_diff,
     cmd_inspect,
@@ -29,7 +29,7 @@ from .cli_commands import (
     storage_options,
     tensor_stats,
 )
-from .cli_write import EXPORT_FORMATS, OPT_WORDS, cmd_demo, cmd_export, cmd_redivide, load_layout_spec, short_layouts
+from .write import EXPORT_FORMATS, OPT_WORDS, cmd_demo, cmd_export, cmd_redivide, load_layout_spec, short_layouts
 
 __all__ = [
     "build_parser", "main", "register_import",
@@ -151,12 +151,9 @@ def register_import(subparsers: Any, common: argparse.ArgumentParser) -> None:
     front ends define it. It adds subcommands with ``parents=[common]`` (for
     ``--storage-option``) and ``set_defaults(func=f)``, ``f(args) -> int``.
     """
-    from . import frontends
+    from .. import frontends
 
     hook = getattr(frontends, "register_import", None)
     if hook is not None:
         hook(subparsers, common)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .cli_commands import emit, open_url, storage_options
-from .display import human_bytes
-from .format import ArrayMeta
+from ..display import human_bytes
+from ..format.meta import ArrayMeta
+from .commands import emit, open_url, storage_options
 
 #: Name components that mark optimizer states for ``redivide --opt-shard``.
 OPT_WORDS = ("optimizer", "optim", "exp_avg", "exp_avg_sq", "moments", "adam_m", "adam_v")
@@ -62,7 +62,7 @@ def cmd_redivide(args: argparse.Namespace) -> int:
     """``reshard redivide SRC DST``: write SRC again under ``--layout`` or ``--tp/--dp`` layouts."""
     from reshard.layouts.errors import CheckpointExistsError
 
-    from .ops import redivide
+    from ..ops import redivide
 
     ckpt = open_url(args.src, args)
     opts = storage_options(args.storage_option)
@@ -109,14 +109,14 @@ def cmd_export(args: argparse.Namespace) -> int:
         args.parser.error("--format mindspore needs --strategy, and --strategy needs --format mindspore")
     t0 = time.perf_counter()
     if fmt == "mindspore":
-        from .frontends.mindspore import export_mindspore
+        from ..frontends.mindspore import export_mindspore
 
         files = export_mindspore(args.src, args.file, Path(args.strategy).read_bytes(),
                                  storage_options=storage_options(args.storage_option))
         print(f"exported {len(files)} rank files under {args.file} in {time.perf_counter() - t0:.2f} s")
         return 0
     if fmt == "torch":  # torch.save needs every tensor in memory at once
-        from .frontends.torch import export_torch
+        from ..frontends.torch import export_torch
 
         stats = export_torch(args.src, args.file, prefix=args.prefix,
                              storage_options=storage_options(args.storage_option))
@@ -130,7 +130,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """``reshard demo``: run :func:`reshard.store.demo.run_demo` (a table, or its rows with ``--json``)."""
-    from .demo import run_demo
+    from ..demo import run_demo
 
     rows = run_demo(args.out, ranks=args.ranks, quick=args.quick, echo=None if args.json else print)
     if args.json:

@@ -53,54 +53,10 @@ import urllib.parse
 import uuid
 from typing import Any
 
-from .s3proxy import LocalService, ProxyRecord, S3Proxy
+from .s3proxy import REGION, LocalService, s3_storage_options
 
-__all__ = ["LocalS3Server", "ProxyRecord", "S3Proxy", "s3_storage_options"]
+__all__ = ["LocalS3Server"]
 
-_REGION = "us-east-1"
-
-
-def s3_storage_options(endpoint_url: str, **extra: Any) -> dict[str, Any]:
-    """Return s3fs storage options for a local, credential-free S3 endpoint.
-
-    Parameters
-    ----------
-    endpoint_url : str
-        ``http://host:port`` of the S3 endpoint (a :class:`LocalS3Server` or
-        :class:`S3Proxy`).
-    **extra
-        Merged on top; ``client_kwargs`` and ``config_kwargs`` dicts are merged one level
-        deep rather than replaced.
-
-    Returns
-    -------
-    dict
-        Options for ``s3fs.S3FileSystem(**opts)`` or ``fsspec``'s ``storage_options``.
-        Explicit key/secret/region and path-style addressing mean botocore never consults
-        the environment credential chain or the instance metadata service.
-    """
-    opts: dict[str, Any] = {
-        "key": "testing",
-        "secret": "testing",
-        "token": None,
-        "anon": False,
-        "endpoint_url": endpoint_url,
-        "client_kwargs": {"endpoint_url": endpoint_url, "region_name": _REGION},
-        "config_kwargs": {
-            "s3": {"addressing_style": "path"},
-            "retries": {"max_attempts": 10, "mode": "standard"},
-            "connect_timeout": 5,
-            "read_timeout": 30,
-        },
-        "cache_regions": False,
-        "skip_instance_cache": True,
-    }
-    for name, value in extra.items():
-        if name in ("client_kwargs", "config_kwargs") and isinstance(value, dict):
-            opts[name] = {**opts[name], **value}
-        else:
-            opts[name] = value
-    return opts
 
 
 class LocalS3Server(LocalService):
@@ -174,7 +130,7 @@ class LocalS3Server(LocalService):
             endpoint_url=self.endpoint_url,
             aws_access_key_id="testing",
             aws_secret_access_key="testing",
-            region_name=_REGION,
+            region_name=REGION,
             config=Config(s3={"addressing_style": "path"}),
         )
 

@@ -4,7 +4,7 @@ Also the helpers every command shares: ``--storage-option`` parsing
 (:func:`storage_options`), opening a checkpoint for a command
 (:func:`open_url`), ``--json`` output (:func:`emit`). The argument parser and
 ``main`` are in :mod:`reshard.store.cli`; ``redivide``, ``export`` and
-``demo`` in :mod:`reshard.store.cli_write`.
+``demo`` in :mod:`reshard.store.cli.write`.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from .display import human_bytes
-from .format import ArrayMeta
-from .schedule import progress_bar
+from ..display import human_bytes
+from ..format.meta import ArrayMeta
+from ..graph.schedule import progress_bar
 
 Region = tuple[slice, ...]
 #: Bytes of one tensor read at a time by ``diff``, ``verify`` (bounded memory).
@@ -67,7 +67,7 @@ def parse_region(text: str) -> tuple[Any, ...]:
 
 def open_url(url: str, args: argparse.Namespace, **kw: Any) -> Any:
     """Open a checkpoint with the command's ``--storage-option`` values (a bad one is a usage error)."""
-    from .reader import open as open_checkpoint
+    from ..reader import open as open_checkpoint
 
     try:
         opts = storage_options(args.storage_option)

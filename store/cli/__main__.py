@@ -1,0 +1,7 @@
+"""``python -m reshard.store.cli``."""
+
+import sys
+
+from .app import main
+
+sys.exit(main())

@@ -1,0 +1,11 @@
+"""Local S3 for tests, notebooks and benchmarks (the ``reshard[testing]`` extra).
+
+``s3server.LocalS3Server``: an in-process moto server on loopback.
+``s3proxy.S3Proxy``: a counting, fault-injecting proxy in front of any S3 endpoint.
+Nothing here is imported by the runtime package; moto is imported lazily.
+"""
+
+from .s3proxy import ProxyRecord, S3Proxy, s3_storage_options
+from .s3server import LocalS3Server
+
+__all__ = ["LocalS3Server", "ProxyRecord", "S3Proxy", "s3_storage_options"]

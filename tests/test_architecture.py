@@ -1,0 +1,105 @@
+"""The shape of the code: ``layouts`` is pure math, ``store`` imports flow one way.
+
+Imports are read from the source (module level and inside functions; imports
+under ``if TYPE_CHECKING:`` are annotations only and do not count).
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+
+
+def _module(path: pathlib.Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = ["reshard", *rel.parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+FILES = {_module(p): p for top in ("store", "layouts") for p in (ROOT / top).rglob("*.py")}
+MODULES = set(FILES)
+
+
+def _runtime_imports(path: pathlib.Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    module = _module(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for child in node.body for n in ast.walk(child))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join([*base, node.module] if node.module else base)
+            else:
+                target = node.module or ""
+            submodules = {f"{target}.{a.name}" for a in node.names} & MODULES
+            found.update(submodules or {target})  # `from .io import pool` imports the module, not io's __init__
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    files, known = FILES, MODULES
+
+    def owner(name: str) -> str | None:
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    return {m: {o for i in _runtime_imports(p) if (o := owner(i)) and o != m} for m, p in files.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt):], nxt]
+            if not state.get(nxt) and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for n in sorted(graph):
+        if not state.get(n) and (found := visit(n)):
+            return found
+    return None
+
+
+def test_layouts_never_imports_store():
+    graph = _graph()
+    bad = {m: sorted(t for t in ts if t.startswith("reshard.store")) for m, ts in graph.items()
+           if m.startswith("reshard.layouts")}
+    assert not {m: ts for m, ts in bad.items() if ts}
+
+
+@pytest.mark.parametrize("top", ["reshard.store"])
+def test_no_import_cycles(top):
+    graph = _graph()
+    assert _cycle({m: ts for m, ts in graph.items() if m.startswith(top)}) is None
+
+
+def test_runtime_package_does_not_import_test_servers():
+    graph = _graph()
+    users = sorted(m for m, ts in graph.items() if "reshard.store.testing" in ts and not m.startswith(
+        "reshard.store.testing"))
+    assert users == []
