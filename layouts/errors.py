@@ -60,6 +60,10 @@ class CommitConflictError(ReshardError, RuntimeError):
     """Two writers raced to commit the same URL; this one lost."""
 
 
+class CheckpointReplacedError(ReshardError, RuntimeError):
+    """An open checkpoint whose URL was committed anew (or garbage-collected) since it was opened."""
+
+
 class ChecksumError(ReshardError, OSError):
     """Stored bytes whose crc32c does not match: corruption, named by tensor and chunk."""
 

@@ -12,10 +12,11 @@ from .export import export
 from .format.dtypes import SUPPORTED as SUPPORTED_DTYPES
 from .format.dtypes import register_zarr_dtypes
 from .format.meta import FORMAT_VERSION
+from .garbage import gc
 from .graph import LoadResult, load_many
 from .io.storage import IOStats
 from .ops import redivide, save, save_pieces
-from .protocol import commit
+from .protocol import commit, unlock
 from .reader import Checkpoint, LazyTensor, open
 from .writer import CheckpointWriter, create
 
@@ -35,9 +36,11 @@ __all__ = [
     "commit",
     "create",
     "export",
+    "gc",
     "load_many",
     "open",
     "redivide",
     "save",
     "save_pieces",
+    "unlock",
 ]

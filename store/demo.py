@@ -31,6 +31,7 @@ import ml_dtypes
 import numpy as np
 from reshard.layouts import Layout
 
+from .garbage import gc
 from .ops import redivide
 from .reader import open as open_checkpoint
 from .tree import unflatten
@@ -129,7 +130,7 @@ def save_from_ranks(state: dict[str, Any], url: str, layouts: dict[str, Layout],
     ``options`` go to :func:`reshard.store.create` (``storage_options``...).
     """
     flat = _flat(state)
-    save_id = uuid.uuid4().hex  # manifests of an earlier run at the same URL are ignored
+    save_id = uuid.uuid4().hex  # a save of its own: an earlier run at the same URL is replaced whole
     ranks = sorted(set().union(*(lay.ranks for lay in layouts.values())))
     writer = None
     for rank in ranks:  # each iteration is what one rank's process does
@@ -141,6 +142,7 @@ def save_from_ranks(state: dict[str, Any], url: str, layouts: dict[str, Layout],
         writer.write(rank, local)
     assert writer is not None
     writer.commit()
+    gc(url, min_age=0, storage_options=options.get("storage_options"))  # an earlier run's save goes
 
 
 def read_safetensors(path: str) -> Iterator[tuple[str, str, tuple[int, ...], memoryview]]:
@@ -217,6 +219,7 @@ def run_demo(out: str = "./reshard-demo", ranks: int = 8, quick: bool = False,
     loaded = timed(f"load {new} ranks (ceil/balanced)", total,
                    lambda: [ckpt.load(target, r) for r in range(new)])
     timed(f"redivide {ranks} -> {new} (new checkpoint)", total, lambda: redivide(ckpt, dst, target, overwrite=True))
+    gc(dst, min_age=0)  # an earlier run's redivided save goes
     timed(f"integrate {ranks} -> 1 (safetensors)", total, lambda: ckpt.export(single, format="safetensors"))
 
     def verify() -> int:

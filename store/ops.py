@@ -23,7 +23,7 @@ from .io import pool
 from .io.storage import IOStats, Storage
 from .reader import Checkpoint, open
 from .tree import LayoutSpec, flatten, resolve_layout
-from .writer import CheckpointWriter, create
+from .writer import CheckpointWriter, create, single_process
 
 
 def _all_ranks(layouts: Mapping[str, Layout]) -> list[int]:
@@ -47,7 +47,7 @@ def save(state: Mapping[str, Any], url: str, layouts: LayoutSpec | None = None, 
     tensors, leaves = flatten(state)
     rule = layouts if layouts is not None else (lambda n, s: Layout.single(s))
     resolved = {n: resolve_layout(rule, n, tuple(np.shape(a))) for n, a in tensors.items()}
-    writer = create(url, resolved, **options)
+    writer = create(url, resolved, **single_process(options))
     for rank in _all_ranks(resolved):
         local: dict[str, Any] = dict(leaves)
         for name, lay in resolved.items():
@@ -61,7 +61,7 @@ def save(state: Mapping[str, Any], url: str, layouts: LayoutSpec | None = None, 
 def save_pieces(pieces: Mapping[int, Mapping[str, Any]], url: str, layouts: LayoutSpec,
                 **options: Any) -> CheckpointWriter:
     """Save ``{rank: local state dict}`` (each rank's own pieces) and commit."""
-    writer = create(url, layouts, **options)
+    writer = create(url, layouts, **single_process(options))
     for rank, local in pieces.items():
         writer.write(rank, local)
     writer.commit()
@@ -140,7 +140,7 @@ def redivide(src: str | Checkpoint, dst: str, layouts: LayoutSpec, *, scheduler:
             targets[name] = meta.layout
         else:
             targets[name] = ckpt._target(layouts, meta)
-    writer = create(dst, targets, **options)
+    writer = create(dst, targets, **single_process(options))
     metas = {n: writer.meta(n, targets[n], m.dtype, single_writer=True) for n, m in ckpt.arrays.items()}
     items = [(meta, metas[name], idx) for name, meta in ckpt.arrays.items()
              for idx in metas[name].shards_in(tuple(slice(0, n) for n in meta.shape))]
@@ -149,7 +149,7 @@ def redivide(src: str | Checkpoint, dst: str, layouts: LayoutSpec, *, scheduler:
                         cap, min(fuse_bytes, budget))
     source = graph.source_of(ckpt, gap)
     options_dst = dict(getattr(writer.storage.fs, "storage_options", None) or {})
-    dsk = {(f"reshard-redivide-{ref.token}", g): (copy_task, CopyTask(source, writer.url, options_dst,
+    dsk = {(f"reshard-redivide-{ref.token}", g): (copy_task, CopyTask(source, writer.storage.url, options_dst,
                                                                        tuple(group), ref))
            for g, group in enumerate(groups)}
     try:

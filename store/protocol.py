@@ -1,25 +1,34 @@
-"""The commit protocol: per-rank manifests, the commit lock, the commit marker.
+"""The commit protocol: save generations, per-rank manifests, the commit lock, the marker.
 
-Every rank writes its shards, then its manifest ``.reshard/ranks/<rank>.json``.
-Any one process then calls :func:`commit`: it takes the lock with a
-create-if-absent write, reads every expected rank's manifest by key, checks that
-they agree, writes every array's and group's ``zarr.json``, the root
-``zarr.json`` with consolidated metadata and, last, the marker
-``.reshard/commit.json``. Readers trust only the marker. docs/format.md has the
-whole protocol and what a crash at each step leaves.
+A save is a **generation**: every object it writes lives under ``url/<generation>/``
+(``gen-<save_id>``), and nothing of a generation is rewritten once it is committed.
+Every rank writes its shards, then its manifest ``<generation>/.reshard/ranks/<rank>.json``.
+Any one process then calls :func:`commit`: it takes the generation's lock with a
+create-if-absent write, reads every expected rank's manifest by key, checks that they
+agree, writes every array's and group's ``zarr.json`` and the generation's root
+``zarr.json`` (consolidated metadata) and, last, the marker ``url/.reshard/commit.json``,
+which names the generation readers use and the sha256 of its metadata. A new save of
+the same URL is a new generation: until it commits, readers see the old one whole.
+docs/format.md has the whole protocol and what a crash at each step leaves.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
 import json
 import math
+import os
+import socket
 import time
 import uuid
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from reshard.layouts import Layout
 from reshard.layouts.errors import (
+    BadNameError,
     CheckpointExistsError,
     CommitConflictError,
     DTypeMismatchError,
@@ -27,31 +36,219 @@ from reshard.layouts.errors import (
     UncommittedCheckpointError,
 )
 
-from .format.meta import COMMIT_KEY, FORMAT_VERSION, LOCK_KEY, META_DIR, ArrayMeta, group_json, shard_shape, tensor_path
+from .format.meta import (
+    COMMIT_KEY,
+    FORMAT_VERSION,
+    LOCK_KEY,
+    META_DIR,
+    ArrayMeta,
+    escape_component,
+    group_json,
+    shard_shape,
+    tensor_path,
+)
 from .io import pool
 from .io.storage import Storage
 
+#: The save_id of a save that names none.
+DEFAULT_SAVE_ID = "0"
+#: Generation folders are named ``gen-<escaped save_id>``.
+GENERATION_PREFIX = "gen-"
+#: Seconds after which a commit lock whose holder did not finish is broken by the next committer.
+DEFAULT_LOCK_LEASE = 600.0
+
+
+def save_id_of(save_id: Any) -> str:
+    """The save_id as stored: a non-empty string (ints, e.g. the step, become their decimal form)."""
+    if save_id is None:
+        return DEFAULT_SAVE_ID
+    if isinstance(save_id, bool) or not isinstance(save_id, str | int):
+        raise BadNameError(f"save_id must be a string or an int (e.g. the training step), got {save_id!r}")
+    text = str(save_id)
+    if not text:
+        raise BadNameError("save_id must not be empty")
+    return text
+
+
+def generation_of(save_id: Any) -> str:
+    """The folder of a save's generation: ``gen-<save_id>``, escaped like tensor names."""
+    sid = save_id_of(save_id)
+    return GENERATION_PREFIX + escape_component(sid, f"save_id {sid!r}")
+
 
 def manifest_key(rank: int) -> str:
+    """Key of a rank's manifest, relative to its generation."""
     return f"{META_DIR}/ranks/{rank}.json"
 
 
-def commit(url: str | Storage, *, save_id: str | None = None, ranks: list[int] | None = None,
-           storage_options: dict[str, Any] | None = None) -> None:
-    """Commit a checkpoint once every rank has written.
+# -------------------------------------------------------------------- marker
+@dataclass(frozen=True)
+class Marker:
+    """The commit marker ``url/.reshard/commit.json``: which generation readers use.
+
+    Format version 1 markers (data at the URL's root, no generation) read with
+    ``generation=""`` and no metadata digest.
+    """
+
+    format_version: int
+    generation: str
+    save_id: str | None
+    time: float
+    tensors: int
+    ranks: list[int]
+    metadata_sha256: str | None = None
+    form: str = "directory"
+
+    @classmethod
+    def parse(cls, url: str, raw: bytes) -> Marker:
+        """Parse marker bytes; a :class:`FormatError` naming the file for anything malformed."""
+        where = f"{url}/{COMMIT_KEY}"
+        doc = loads_json(where, raw)
+        if not isinstance(doc, dict):
+            raise FormatError(f"{where}: the commit marker is not a JSON object")
+        version = doc.get("format_version")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise FormatError(f"{where}: bad format_version {version!r}")
+        if version > FORMAT_VERSION:
+            raise FormatError(f"{url}: format version {version} is newer than this reshard ({FORMAT_VERSION}); "
+                              "upgrade reshard")
+        try:
+            marker = cls(format_version=version, generation=str(doc.get("generation", "")),
+                         save_id=None if doc.get("save_id") is None else str(doc["save_id"]),
+                         time=float(doc.get("time", 0.0)), tensors=int(doc.get("tensors", -1)),
+                         ranks=[int(r) for r in doc.get("ranks", [])],
+                         metadata_sha256=doc.get("metadata_sha256"), form=str(doc.get("form", "directory")))
+        except (TypeError, ValueError) as e:
+            raise FormatError(f"{where}: malformed commit marker ({e})") from None
+        if version >= 2 and (not marker.generation.startswith(GENERATION_PREFIX) or "/" in marker.generation
+                             or not isinstance(marker.metadata_sha256, str)):
+            raise FormatError(f"{where}: malformed commit marker (generation {marker.generation!r}, "
+                              f"metadata_sha256 {marker.metadata_sha256!r})")
+        return marker
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+
+def read_marker(root: Storage) -> tuple[Marker, bytes] | None:
+    """The marker of the checkpoint at ``root`` and its raw bytes, or None if none is committed."""
+    try:
+        raw = root.read(COMMIT_KEY)
+    except FileNotFoundError:
+        return None
+    return Marker.parse(root.url, raw), raw
+
+
+def generation_storage(root: Storage, marker: Marker) -> Storage:
+    """Where the committed generation's objects live (the root itself for format version 1)."""
+    return root.child(marker.generation) if marker.generation else root
+
+
+def metadata_digest(raw: bytes) -> str:
+    """The digest of a generation's root ``zarr.json`` recorded in its marker."""
+    return hashlib.sha256(raw).hexdigest()
+
+
+# ---------------------------------------------------------------------- lock
+def _lock_body(lease: float) -> bytes:
+    return json.dumps({"token": uuid.uuid4().hex, "time": time.time(), "host": socket.gethostname(),
+                       "pid": os.getpid(), "lease": lease}).encode()
+
+
+def _lock_is_stale(holder: Any, now: float) -> bool:
+    """A lock whose lease ran out, whose holder is a dead process of this host, or that is unreadable."""
+    if not isinstance(holder, dict):
+        return True
+    try:
+        if now - float(holder["time"]) > float(holder.get("lease", DEFAULT_LOCK_LEASE)):
+            return True
+        if holder.get("host") == socket.gethostname():
+            os.kill(int(holder["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except (KeyError, TypeError, ValueError):
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
+
+
+def take_lock(root: Storage, gen: Storage, save_id: str, *, force: bool = False,
+              lease: float = DEFAULT_LOCK_LEASE) -> None:
+    """Take the commit lock of one generation (create-if-absent), breaking a dead holder's.
+
+    Raises
+    ------
+    CommitConflictError
+        If the generation is committed already, or a live process holds its lock.
+    """
+    body = _lock_body(lease)
+    try:
+        gen.write_new(LOCK_KEY, body)
+        return
+    except CheckpointExistsError:
+        pass
+    current = read_marker(root)
+    if current is not None and current[0].generation == gen.url.rsplit("/", 1)[-1]:
+        raise CommitConflictError(f"{root.url}: save {save_id!r} is committed already")
+    try:
+        holder = json.loads(gen.read(LOCK_KEY))
+    except (FileNotFoundError, ValueError):
+        holder = None
+    if not (force or _lock_is_stale(holder, time.time())):
+        age = time.time() - float(holder["time"])
+        raise CommitConflictError(
+            f"{root.url}: save {save_id!r} is being committed by {holder.get('host')} pid {holder.get('pid')} "
+            f"(lock taken {age:.0f} s ago, lease {holder.get('lease')} s). If that process is dead, "
+            f"run `reshard unlock {root.url} --save-id {save_id}` or commit(..., force=True); "
+            "a lock older than its lease is broken by the next commit")
+    gen.delete(LOCK_KEY)
+    try:
+        gen.write_new(LOCK_KEY, body)
+    except CheckpointExistsError:
+        raise CommitConflictError(f"{root.url}: another process took the commit lock of save {save_id!r}") from None
+
+
+def unlock(url: str | Storage, save_id: Any = None, *, storage_options: dict[str, Any] | None = None) -> bool:
+    """Remove the commit lock of a save (``reshard unlock``); True if there was one.
+
+    For a committer that died holding the lock. A lock older than its lease is
+    broken by the next commit anyway; this is for not waiting that long.
+    """
+    root = url if isinstance(url, Storage) else Storage(url, storage_options)
+    gen = root.child(generation_of(save_id))
+    existed = gen.exists(LOCK_KEY)
+    gen.delete(LOCK_KEY)
+    return existed
+
+
+# -------------------------------------------------------------------- commit
+def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None = None,
+           storage_options: dict[str, Any] | None = None, force: bool = False,
+           lock_lease: float = DEFAULT_LOCK_LEASE) -> Marker:
+    """Commit a save once every rank has written.
 
     Parameters
     ----------
     url : str or Storage
-        The checkpoint.
-    save_id : str, optional
-        Accept only manifests written with this ``save_id``.
+        The checkpoint (its root, not a generation).
+    save_id : str or int, optional
+        The save to commit, as every rank passed it to ``create`` (default ``"0"``).
     ranks : list of int, optional
         The ranks expected to have written (a writer passes them from its
         layouts). Without them, the set recorded in any manifest found is used:
         the only listing in the protocol; every manifest is then read by key.
     storage_options : dict, optional
         fsspec options when ``url`` is a string.
+    force : bool
+        Break the commit lock even if its holder looks alive.
+    lock_lease : float
+        Seconds after which this commit's lock may be broken by another committer.
+
+    Returns
+    -------
+    Marker
+        The marker written.
 
     Raises
     ------
@@ -59,36 +256,39 @@ def commit(url: str | Storage, *, save_id: str | None = None, ranks: list[int] |
         If a rank's manifest is missing; the message names the ranks and the
         tensors left without data. Nothing is committed; retry after they write.
     CommitConflictError
-        If another process holds the commit lock or committed first.
+        If another live process holds the commit lock, or the save is committed already.
     """
-    storage = url if isinstance(url, Storage) else Storage(url, storage_options)
+    root = url if isinstance(url, Storage) else Storage(url, storage_options)
+    sid = save_id_of(save_id)
+    generation = generation_of(sid)
+    gen = root.child(generation)
+    take_lock(root, gen, sid, force=force, lease=lock_lease)
     try:
-        storage.write_new(LOCK_KEY, json.dumps({"time": time.time(), "token": uuid.uuid4().hex}).encode())
-    except CheckpointExistsError:
-        raise CommitConflictError(
-            f"{storage.url}: another writer is committing or has committed this checkpoint"
-        ) from None
-    try:
-        manifests = read_manifests(storage, save_id, ranks)
-        metas, leaves = merge_manifests(storage.url, manifests)
-        jobs = [lambda m=m: storage.write(f"{m.path}/zarr.json", json.dumps(m.to_zarr_json()).encode())
-                for m in metas.values()]
-        groups = sorted({"/".join(m.path.split("/")[:i]) for m in metas.values()
-                         for i in range(1, m.path.count("/") + 1)})
-        jobs += [lambda g=g: storage.write(f"{g}/zarr.json", json.dumps(group_json()).encode())
-                 for g in groups]
-        pool.run_all(jobs, storage.local)
-        consolidated = {m.path: m.to_zarr_json() for m in metas.values()}
-        consolidated.update({g: group_json() for g in groups})
-        root = group_json({"reshard": {"format_version": FORMAT_VERSION, "leaves": leaves}})
-        root["consolidated_metadata"] = {"kind": "inline", "must_understand": False, "metadata": consolidated}
-        storage.write("zarr.json", json.dumps(root).encode())
-        marker = {"format_version": FORMAT_VERSION, "time": time.time(), "save_id": save_id,
-                  "tensors": len(metas), "ranks": sorted(manifests)}
-        storage.write(COMMIT_KEY, json.dumps(marker).encode())
+        manifests = read_manifests(gen, sid, ranks)
+        metas, leaves = merge_manifests(gen.url, manifests)
+        raw = write_metadata(gen, metas, leaves)
+        marker = Marker(format_version=FORMAT_VERSION, generation=generation, save_id=sid, time=time.time(),
+                        tensors=len(metas), ranks=sorted(manifests), metadata_sha256=metadata_digest(raw))
+        root.write_atomic(COMMIT_KEY, marker.to_json())
     except BaseException:
-        storage.delete(LOCK_KEY)
+        with contextlib.suppress(Exception):
+            gen.delete(LOCK_KEY)
         raise
+    return marker
+
+
+def write_metadata(gen: Storage, metas: dict[str, ArrayMeta], leaves: dict[str, Any]) -> bytes:
+    """Write every array's and group's ``zarr.json`` and the root one (consolidated); return the root's bytes."""
+    docs = {m.path: m.to_zarr_json() for m in metas.values()}
+    groups = sorted({"/".join(m.path.split("/")[:i]) for m in metas.values() for i in range(1, m.path.count("/") + 1)})
+    docs.update({g: group_json() for g in groups})
+    pool.run_all([functools.partial(gen.write, f"{path}/zarr.json", json.dumps(doc).encode())
+                  for path, doc in docs.items()], gen.local)
+    root = group_json({"reshard": {"format_version": FORMAT_VERSION, "leaves": leaves}})
+    root["consolidated_metadata"] = {"kind": "inline", "must_understand": False, "metadata": dict(sorted(docs.items()))}
+    raw = json.dumps(root).encode()
+    gen.write("zarr.json", raw)
+    return raw
 
 
 def read_manifests(storage: Storage, save_id: str | None = None,
@@ -101,12 +301,12 @@ def read_manifests(storage: Storage, save_id: str | None = None,
         present = [int(n.split(".")[0]) for n in storage.list(f"{META_DIR}/ranks") if n.endswith(".json")]
         if not present:
             raise UncommittedCheckpointError(f"{storage.url}: no rank has written anything yet")
-        expected = _read_json(storage, manifest_key(present[0]))["expected_ranks"]
+        expected = read_json(storage, manifest_key(present[0]))["expected_ranks"]
     manifests: dict[int, dict[str, Any]] = {}
 
     def load(r: int) -> None:
         try:
-            m = _read_json(storage, manifest_key(r))
+            m = read_json(storage, manifest_key(r))
         except FileNotFoundError:
             return
         if save_id is not None and m.get("save_id") != save_id:
@@ -174,10 +374,13 @@ def _shard_of(url: str, name: str, layout: Layout, recorded: Any) -> tuple[int, 
     return single
 
 
-def _read_json(storage: Storage, key: str) -> Any:
+def read_json(storage: Storage, key: str) -> Any:
+    return loads_json(f"{storage.url}/{key}", storage.read(key))
+
+
+def loads_json(where: str, raw: bytes) -> Any:
+    """JSON from bytes; a :class:`FormatError` naming ``where`` for anything that is not JSON."""
     try:
-        return json.loads(storage.read(key))
-    except json.JSONDecodeError as e:
-        raise FormatError(f"{storage.url}/{key} is not valid JSON: {e}") from None
-
-
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise FormatError(f"{where} is not valid JSON: {e}") from None

@@ -8,7 +8,6 @@ touching only the inner chunks that intersect what is asked for.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -17,6 +16,7 @@ import numpy as np
 from reshard.layouts import Layout
 from reshard.layouts.errors import (
     CheckpointNotFoundError,
+    CheckpointReplacedError,
     FormatError,
     ShapeMismatchError,
     TensorNotFoundError,
@@ -24,10 +24,22 @@ from reshard.layouts.errors import (
 )
 
 from .fetch import DEFAULT_GAP, Fetcher
-from .format.meta import COMMIT_KEY, FORMAT_VERSION, ArrayMeta, tensor_name
+from .format.meta import COMMIT_KEY, META_DIR, ArrayMeta, tensor_name
 from .io.storage import IOStats, Storage
 from .lazy import LazyTensor, Region
-from .protocol import merge_manifests, read_manifests
+from .protocol import (
+    GENERATION_PREFIX,
+    Marker,
+    generation_of,
+    generation_storage,
+    loads_json,
+    manifest_key,
+    merge_manifests,
+    metadata_digest,
+    read_json,
+    read_manifests,
+    read_marker,
+)
 from .tree import LayoutSpec, flatten, resolve_layout, unflatten
 
 if TYPE_CHECKING:
@@ -40,11 +52,20 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
     """
 
     def __init__(self, storage: Storage, arrays: dict[str, ArrayMeta], leaves: dict[str, Any],
-                 committed: bool, engine: str = "fast", gap: int = DEFAULT_GAP) -> None:
+                 committed: bool, engine: str = "fast", gap: int = DEFAULT_GAP, *,
+                 root: Storage | None = None, marker: bytes | None = None) -> None:
+        #: The generation this view reads (its zarr hierarchy: ``zarr_url``).
         self.storage = storage
+        #: The checkpoint's URL, whose marker names the committed generation.
+        self.root = root if root is not None else storage
         self.arrays = arrays
         self.leaves = leaves
         self.committed = committed
+        #: The marker's bytes when opened: reads check the checkpoint was not replaced since.
+        self.marker = marker
+        #: The save_id of the save this view reads (None for format version 1).
+        self.save_id: str | None = None
+        self.check_replaced = True
         #: The one I/O path of every read (shard indexes are cached there).
         self.fetcher = Fetcher(storage, engine, gap)
 
@@ -65,6 +86,11 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
 
     @property
     def url(self) -> str:
+        return self.root.url
+
+    @property
+    def zarr_url(self) -> str:
+        """The zarr v3 group of the opened save, for plain zarr-python, TensorStore and dask."""
         return self.storage.url
 
     @property
@@ -99,8 +125,40 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
         return self.fetcher.gap
 
     def read_regions(self, jobs: list[tuple[ArrayMeta, Region, np.ndarray]]) -> IOStats:
-        """Fill destinations from stored regions; see :meth:`reshard.store.fetch.Fetcher.read_regions`."""
-        return self.fetcher.read_regions(jobs)
+        """Fill destinations from stored regions; see :meth:`reshard.store.fetch.Fetcher.read_regions`.
+
+        Raises
+        ------
+        CheckpointReplacedError
+            The URL was committed anew (or its save deleted) since this view was opened.
+        """
+        try:
+            stats = self.fetcher.read_regions(jobs)
+        except (FileNotFoundError, FormatError):
+            self.check_current()  # a missing object of a replaced save says so
+            raise
+        self.check_current()  # after the read: what it returns was the checkpoint when it returned
+        return stats
+
+    def check_current(self) -> None:
+        """Raise :class:`CheckpointReplacedError` if the URL's marker is no longer the one opened.
+
+        One small read, made after every read through this view (``load``,
+        ``read``, ``LazyTensor.read``; not inside dask graphs). A view opened on
+        a committed save reads that save's immutable objects; this check makes
+        it refuse rather than silently serve a save that is no longer the
+        checkpoint (reopen to read the new one). ``open(..., check_current=False)``
+        turns it off: the view then reads its save as a snapshot while it exists.
+        """
+        if self.marker is None or not self.check_replaced:
+            return
+        try:
+            now = self.root.read(COMMIT_KEY)
+        except FileNotFoundError:
+            now = None
+        if now != self.marker:
+            state = "was uncommitted or deleted" if now is None else "was replaced by a newer save"
+            raise CheckpointReplacedError(f"{self.url}: the checkpoint {state} after it was opened; open it again")
 
     def read(self, name: str, region: Region | None = None) -> np.ndarray:
         """Read one tensor (or a region of it) into a new numpy array."""
@@ -215,16 +273,18 @@ def allocate(specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> list[np.ndar
 
 
 def open(url: str, *, allow_uncommitted: bool = False, storage_options: dict[str, Any] | None = None,
-         engine: str = "fast", gap: int = DEFAULT_GAP, retries: int = 5) -> Checkpoint:
-    """Open a checkpoint lazily: two small metadata reads, no data.
+         engine: str = "fast", gap: int = DEFAULT_GAP, retries: int = 5, save_id: Any = None,
+         check_current: bool = True) -> Checkpoint:
+    """Open a checkpoint lazily: the commit marker and one metadata document, no data.
 
     Parameters
     ----------
     url : str
         Local path or fsspec URL of the checkpoint.
     allow_uncommitted : bool
-        Open a checkpoint whose commit marker is missing, from the ranks'
-        manifests (forensics: what did get written?).
+        Open a save whose commit marker is missing, from the ranks' manifests
+        (forensics: what did get written?). ``save_id`` picks the save when
+        several were attempted.
     storage_options : dict, optional
         fsspec options (credentials, endpoint...).
     engine : {"fast", "tensorstore", "zarr"}
@@ -233,6 +293,11 @@ def open(url: str, *, allow_uncommitted: bool = False, storage_options: dict[str
         Byte gap under which reads of one shard are merged into one request.
     retries : int
         Retries of transiently failing remote requests.
+    save_id : str or int, optional
+        With ``allow_uncommitted``: the save to open.
+    check_current : bool
+        After each read, check (one small request) that the URL still holds the
+        save this view opened, else raise :class:`CheckpointReplacedError`.
 
     Raises
     ------
@@ -240,42 +305,84 @@ def open(url: str, *, allow_uncommitted: bool = False, storage_options: dict[str
         Nothing is stored at ``url``.
     UncommittedCheckpointError
         The checkpoint was never committed; the message names missing ranks.
+    FormatError
+        The marker or the metadata is malformed, or the metadata does not match
+        the digest its marker recorded (edited or corrupted).
     """
     if engine not in ("fast", "tensorstore", "zarr"):
         raise ValueError(f"engine must be 'fast', 'tensorstore' or 'zarr', got {engine!r}")
-    storage = Storage(url, storage_options, retries=retries)
+    root = Storage(url, storage_options, retries=retries)
+    found = read_marker(root)
+    if found is None or allow_uncommitted:
+        return _open_uncommitted(root, allow_uncommitted, save_id, engine, gap)
+    marker, raw_marker = found
+    storage = generation_storage(root, marker)
+    arrays, leaves = read_metadata(storage, marker)
+    ckpt = Checkpoint(storage, arrays, leaves, committed=True, engine=engine, gap=gap, root=root, marker=raw_marker)
+    ckpt.check_replaced = check_current
+    ckpt.save_id = marker.save_id
+    return ckpt
+
+
+def read_metadata(storage: Storage, marker: Marker) -> tuple[dict[str, ArrayMeta], dict[str, Any]]:
+    """The arrays and leaves of a committed save, checked against its marker."""
+    where = f"{storage.url}/zarr.json"
     try:
-        marker = json.loads(storage.read(COMMIT_KEY))
+        raw = storage.read("zarr.json")
     except FileNotFoundError:
-        marker = None
-    if marker is None:
-        if not allow_uncommitted:
-            try:
-                read_manifests(storage)
-            except UncommittedCheckpointError as e:
-                if not storage.exists("") or "no rank has written" in str(e):
-                    raise CheckpointNotFoundError(f"no checkpoint at {storage.url}") from None
-                raise
-            raise UncommittedCheckpointError(
-                f"{storage.url}: every rank has written but the checkpoint was never committed "
-                "(call commit(), or open with allow_uncommitted=True)")
-        arrays, leaves = _from_manifests(storage)
-        return Checkpoint(storage, arrays, leaves, committed=False, engine=engine, gap=gap)
-    if marker.get("format_version", 0) > FORMAT_VERSION:
-        raise FormatError(f"{storage.url}: format version {marker['format_version']} is newer than "
-                          f"this reshard ({FORMAT_VERSION}); upgrade reshard")
-    root = json.loads(storage.read("zarr.json"))
+        raise FormatError(f"{where} is missing: the committed save's metadata is gone") from None
+    if marker.metadata_sha256 is not None and metadata_digest(raw) != marker.metadata_sha256:
+        raise FormatError(f"{where} does not match the digest in its commit marker: the metadata was edited or "
+                          "corrupted after the commit")
+    root = loads_json(where, raw)
     try:
         leaves = root["attributes"]["reshard"]["leaves"]
         docs = root["consolidated_metadata"]["metadata"]
+        if not isinstance(leaves, dict) or not isinstance(docs, dict):
+            raise TypeError
     except (KeyError, TypeError):
-        raise FormatError(f"{storage.url}: root zarr.json lacks reshard's consolidated metadata") from None
+        raise FormatError(f"{where} lacks reshard's consolidated metadata") from None
     arrays = {}
     for path, doc in docs.items():
-        if doc.get("node_type") == "array":
+        if isinstance(doc, dict) and doc.get("node_type") == "array":
             name = tensor_name(path)
             arrays[name] = ArrayMeta.from_zarr_json(name, doc)
-    return Checkpoint(storage, dict(sorted(arrays.items())), leaves, committed=True, engine=engine, gap=gap)
+    if marker.format_version >= 2 and len(arrays) != marker.tensors:
+        raise FormatError(f"{where} describes {len(arrays)} tensors, its commit marker {marker.tensors}")
+    return dict(sorted(arrays.items())), leaves
+
+
+def _open_uncommitted(root: Storage, allow: bool, save_id: Any, engine: str, gap: int) -> Checkpoint:
+    """An uncommitted save: refused with what is missing, or opened from its manifests when allowed."""
+    if save_id is not None:
+        gen = root.child(generation_of(save_id))
+    else:
+        attempts = sorted(n for n in root.list("") if n.startswith(GENERATION_PREFIX))  # diagnostics only
+        legacy = root.exists(f"{META_DIR}/ranks")
+        found = read_marker(root)
+        if found is not None:  # allow_uncommitted on a committed URL: the newest other attempt, else the committed
+            attempts = [a for a in attempts if a != found[0].generation] or [found[0].generation]
+        if len(attempts) > 1:
+            raise UncommittedCheckpointError(
+                f"{root.url}: several saves were attempted ({', '.join(attempts)}); pass save_id to open one")
+        if attempts:
+            gen = root.child(attempts[0])
+        elif legacy:
+            gen = root  # format version 1: manifests at the root
+        else:
+            raise CheckpointNotFoundError(f"no checkpoint at {root.url}")
+    if not allow:
+        try:
+            read_manifests(gen)
+        except UncommittedCheckpointError as e:
+            if "no rank has written" in str(e):
+                raise CheckpointNotFoundError(f"no checkpoint at {root.url}") from None
+            raise UncommittedCheckpointError(str(e).replace(gen.url, root.url)) from None
+        raise UncommittedCheckpointError(
+            f"{root.url}: every rank has written but the checkpoint was never committed "
+            "(call commit(), or open with allow_uncommitted=True)")
+    arrays, leaves = _from_manifests(gen)
+    return Checkpoint(gen, arrays, leaves, committed=False, engine=engine, gap=gap, root=root)
 
 
 def _from_manifests(storage: Storage) -> tuple[dict[str, ArrayMeta], dict[str, Any]]:
@@ -283,10 +390,8 @@ def _from_manifests(storage: Storage) -> tuple[dict[str, ArrayMeta], dict[str, A
     try:
         return merge_manifests(storage.url, read_manifests(storage))
     except UncommittedCheckpointError:
-        from .protocol import _read_json, manifest_key
-
-        present = [int(n.split(".")[0]) for n in storage.list(".reshard/ranks") if n.endswith(".json")]
-        manifests = {r: _read_json(storage, manifest_key(r)) for r in present}
+        present = [int(n.split(".")[0]) for n in storage.list(f"{META_DIR}/ranks") if n.endswith(".json")]
+        manifests = {r: read_json(storage, manifest_key(r)) for r in present}
         return merge_manifests(storage.url, manifests)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,10 +34,8 @@ from reshard.layouts.errors import (
 
 from .format.dtypes import dtype_name
 from .format.meta import (
-    COMMIT_KEY,
     DEFAULT_CHUNK_BYTES,
     FORMAT_VERSION,
-    LOCK_KEY,
     MIN_CHUNK_BYTES,
     ArrayMeta,
     inner_chunk_shape,
@@ -45,7 +44,7 @@ from .format.meta import (
 from .format.shard import SMALL_SHARD_BYTES, encode_shard
 from .io import pool
 from .io.storage import Storage
-from .protocol import commit, manifest_key
+from .protocol import Marker, commit, generation_of, manifest_key, read_marker, save_id_of
 from .tree import LayoutSpec, flatten, resolve_layout
 
 
@@ -62,7 +61,7 @@ class CheckpointWriter:
         compression: str | None = None,
         checksums: bool = True,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        save_id: str | None = None,
+        save_id: str | int | None = None,
         storage_options: dict[str, Any] | None = None,
         engine: str = "fast",
     ) -> None:
@@ -71,29 +70,35 @@ class CheckpointWriter:
         self.engine = engine
         if compression not in (None, "zstd"):
             raise ValueError(f"compression must be None or 'zstd', got {compression!r}")
-        self.storage = Storage(url, storage_options)
+        self.root = Storage(url, storage_options)
+        self.save_id = save_id_of(save_id)
+        #: Where this save's objects go: the generation's folder under the root.
+        self.storage = self.root.child(generation_of(self.save_id))
         self.layouts = layouts
         self.shapes = dict(shapes or {})
         self.compression = compression
         self.checksums = checksums
         self.chunk_bytes = int(chunk_bytes)
-        self.save_id = save_id
-        if self.storage.exists(COMMIT_KEY):
+        self._written: set[int] = set()
+        current = read_marker(self.root)
+        if current is not None:
+            committed = current[0]
             if not overwrite:
                 raise CheckpointExistsError(
-                    f"{self.storage.url} already holds a committed checkpoint; "
-                    "pass overwrite=True to replace it"
-                )
-            # Uncommit first: from here on readers refuse it, never see it half-replaced.
-            self.storage.delete(COMMIT_KEY)
-            self.storage.delete(LOCK_KEY)
+                    f"{self.root.url} already holds a committed checkpoint (save_id {committed.save_id!r}); "
+                    "pass overwrite=True (with a new save_id) to replace it")
+            if committed.save_id == self.save_id and committed.format_version >= 2:
+                raise CheckpointExistsError(
+                    f"{self.root.url}: save_id {self.save_id!r} is the committed save; overwriting needs a new "
+                    "save_id shared by every rank (e.g. the training step), so that a crashed overwrite "
+                    "leaves the committed checkpoint readable")
 
     def __repr__(self) -> str:
         return f"CheckpointWriter({self.storage.url!r})"
 
     @property
     def url(self) -> str:
-        return self.storage.url
+        return self.root.url
 
     def layout(self, name: str, shape: tuple[int, ...] | None = None) -> Layout:
         """The saving layout of tensor ``name``."""
@@ -156,12 +161,25 @@ class CheckpointWriter:
         missing = [n for n in self.names() if n not in tensors and rank in self.layout(n).ranks]
         if missing:
             raise LayoutError(f"rank {rank} holds {missing} by its layouts but did not pass them")
+        self._check_not_written(rank)
         jobs = []
         for name, meta in metas.items():
             if meta.layout.replica_id(rank) == 0:
                 jobs += self._shard_jobs(meta, meta.layout.region(rank), tensors[name])
         pool.run_all(jobs, self.storage.local)
         self.storage.write(manifest_key(rank), json.dumps(self._manifest(rank, metas, leaves)).encode())
+        self._written.add(rank)
+
+    def _check_not_written(self, rank: int) -> None:
+        """Refuse a rank whose manifest an earlier, uncommitted attempt of this save left behind.
+
+        Its other ranks' manifests may be there too: committing would mix two attempts.
+        """
+        if rank not in self._written and self.storage.exists(manifest_key(rank)):
+            raise CheckpointExistsError(
+                f"{self.root.url}: rank {rank} already wrote save_id {self.save_id!r} (an earlier attempt that "
+                "was not committed?). Save under a new save_id, or remove the attempt with "
+                f"`reshard gc {self.root.url} --min-age 0`")
 
     def write_block(self, meta: ArrayMeta, region: tuple[slice, ...], data: np.ndarray) -> None:
         """Write the shards of one block of a tensor (``data`` holds the block's values).
@@ -220,17 +238,26 @@ class CheckpointWriter:
         """The tensors this checkpoint will hold, as far as the writer knows them."""
         return list(self.layouts) if isinstance(self.layouts, Mapping) else list(self.shapes)
 
-    def commit(self) -> None:
-        """Make the checkpoint visible; see :func:`commit`."""
+    def commit(self, **options: Any) -> Marker:
+        """Make the checkpoint visible; see :func:`reshard.store.protocol.commit` (``force``, ``lock_lease``)."""
         names = self.names()
         ranks = sorted(set().union(*(self.layout(n).ranks for n in names))) if names else None
-        commit(self.storage, save_id=self.save_id, ranks=ranks)
+        return commit(self.root, save_id=self.save_id, ranks=ranks, **options)
 
 
 def _np(dtype: str) -> Any:
     from .format.dtypes import numpy_dtype
 
     return numpy_dtype(dtype)
+
+
+def single_process(options: dict[str, Any]) -> dict[str, Any]:
+    """``create`` options for a writer that writes every rank's part itself: a fresh save_id unless given.
+
+    One process needs no agreement on the save's name, so every save gets a
+    generation of its own, and overwriting needs no save_id from the caller.
+    """
+    return {**options, "save_id": options.get("save_id") or uuid.uuid4().hex[:16]}
 
 
 def create(url: str, layouts: LayoutSpec, **options: Any) -> CheckpointWriter:
@@ -247,9 +274,18 @@ def create(url: str, layouts: LayoutSpec, **options: Any) -> CheckpointWriter:
     layouts : mapping or callable
         ``{name: Layout}`` or a rule ``(name, global_shape) -> Layout``.
     **options
-        ``shapes`` (needed with a rule), ``overwrite``, ``compression``
-        (None or ``"zstd"``), ``checksums``, ``chunk_bytes``, ``save_id``,
-        ``storage_options``, ``engine`` (``"fast"`` or ``"tensorstore"``):
-        see :class:`CheckpointWriter`.
+        ``save_id`` (str or int, the same on every rank, e.g. the training
+        step; default ``"0"``): names this save's generation. ``overwrite``:
+        replace a committed checkpoint; needs a ``save_id`` other than the
+        committed one, and the old checkpoint stays readable until this save
+        commits. ``shapes`` (needed with a rule), ``compression`` (None or
+        ``"zstd"``), ``checksums``, ``chunk_bytes``, ``storage_options``,
+        ``engine`` (``"fast"`` or ``"tensorstore"``): see :class:`CheckpointWriter`.
+
+    Raises
+    ------
+    CheckpointExistsError
+        A committed checkpoint is there and ``overwrite`` is false, or
+        ``save_id`` is the committed save's.
     """
     return CheckpointWriter(url, layouts, **options)

@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import reshard.store as rs
+from paths import zarr_root
 from reshard.layouts import Layout, dump_strategy
 from reshard.store import demo
 from reshard.store.cli.app import main, parse_region, short_layouts, storage_options
@@ -57,7 +58,7 @@ def test_subprocess_inspect_and_version(ckpt_url):
 
 
 def test_subprocess_verify_names_the_corrupted_tensor(copy):
-    shard = Path(copy, "model", "layers", "1", "mlp", "up", "weight", "c", "2", "0")
+    shard = Path(zarr_root(copy), "model", "layers", "1", "mlp", "up", "weight", "c", "2", "0")
     data = bytearray(shard.read_bytes())
     data[10] ^= 0xFF
     shard.write_bytes(bytes(data))
@@ -237,7 +238,7 @@ def test_verify_ok(ckpt_url, capsys):
 
 
 def test_verify_missing_shard_names_tensor(copy, capsys):
-    os.remove(Path(copy, "optimizer", "exp_avg_sq", "embed", "weight", "c", "5", "0"))
+    os.remove(Path(zarr_root(copy), "optimizer", "exp_avg_sq", "embed", "weight", "c", "5", "0"))
     assert run("verify", copy) == 1
     out = capsys.readouterr().out
     assert "1 problem(s)" in out and "'optimizer.exp_avg_sq.embed.weight'" in out and "missing" in out

@@ -21,6 +21,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import reshard.store as rs
+from paths import zarr_root
 from reshard.layouts import Layout
 from reshard.store import graph
 from reshard.store.graph import fusion_cap, load_many
@@ -366,7 +367,7 @@ def test_export_on_a_cluster_writes_the_same_files(saved: tuple[str, dict[str, A
 
 # ------------------------------------------------------------------ errors
 def corrupt_first_chunk(url: str, name: str) -> None:
-    shard = next(p for p in sorted((Path(url) / name / "c").rglob("*")) if p.is_file())
+    shard = next(p for p in sorted((zarr_root(url) / name / "c").rglob("*")) if p.is_file())
     data = bytearray(shard.read_bytes())
     data[3] ^= 0xFF
     shard.write_bytes(bytes(data))
@@ -392,7 +393,7 @@ def test_corrupted_chunk_raises_not_hangs(saved: tuple[str, dict[str, Any]], tmp
 
 def test_missing_shard_raises_not_hangs(saved: tuple[str, dict[str, Any]], client: Any) -> None:
     url, _ = saved
-    os.remove(Path(url) / "w" / "c" / "2" / "0")
+    os.remove(zarr_root(url) / "w" / "c" / "2" / "0")
     ckpt = rs.open(url)
     with pytest.raises(rs.FormatError, match="missing"):
         within(30, load_many, ckpt, TARGET, range(6))

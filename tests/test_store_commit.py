@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import pathlib
 from pathlib import Path
 
 import numpy as np
@@ -60,11 +61,12 @@ def test_concurrent_process_writers_then_commit(tmp_path):
     for name in SHAPES:
         np.testing.assert_array_equal(ckpt[name].read(), full[name])
     assert ckpt.leaves == {"step": 5}
-    shards = sorted(p.relative_to(tmp_path / "ck").as_posix() for p in (tmp_path / "ck").rglob("c/*/*"))
+    gen = pathlib.Path(ckpt.zarr_url)
+    shards = sorted(p.relative_to(gen).as_posix() for p in gen.rglob("c/*/*"))
     # w: 4 blocks; b: replicated, written once; m: opt-sharded into 4 distinct pieces
     assert len([s for s in shards if s.startswith("model/w/")]) == 4
     assert len([s for s in shards if s.startswith("opt/m/")]) == 4
-    assert len(list((tmp_path / "ck" / "model" / "b").rglob("c/*"))) == 1
+    assert len(list((gen / "model" / "b").rglob("c/*"))) == 1
 
 
 def test_killed_rank_is_refused_and_sibling_untouched(tmp_path):

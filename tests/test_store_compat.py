@@ -7,6 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import reshard.store as rs
+from paths import zarr_root
 from reshard.layouts import Layout
 
 RNG = np.random.default_rng(3)
@@ -40,7 +41,8 @@ def test_plain_tensorstore_reads_every_tensor(saved):
 
     root, state = saved
     for name, arr in state.items():
-        t = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(root / name)}}).result()
+        path = str(zarr_root(root) / name)
+        t = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": path}}).result()
         assert t.dtype.name == rs.open(root)[name].meta.dtype
         np.testing.assert_array_equal(u(np.asarray(t.read().result())), u(arr))
 
@@ -49,7 +51,8 @@ def test_plain_zarr_and_dask_read_every_tensor(saved):
     import dask.array as da
     import zarr
 
-    root, state = saved
+    url, state = saved
+    root = zarr_root(url)
     group = zarr.open_group(str(root), mode="r")
     assert sorted(group.array_keys()) == sorted(state)
     for name, arr in state.items():
@@ -86,9 +89,9 @@ def test_reshard_reads_what_zarr_python_writes(tmp_path):
 
     arr = RNG.standard_normal((32, 16)).astype(np.float32)
     rs.save({"x": np.zeros_like(arr)}, tmp_path / "ck", {"x": Layout.from_dtensor((2,), ["S(0)"], arr.shape)})
-    z = zarr.open_array(str(tmp_path / "ck" / "x"), mode="r+")
+    z = zarr.open_array(str(zarr_root(tmp_path / "ck") / "x"), mode="r+")
     z[:] = arr  # zarr-python re-encodes every shard
-    doc = json.loads((tmp_path / "ck" / "x" / "zarr.json").read_text())
+    doc = json.loads((zarr_root(tmp_path / "ck") / "x" / "zarr.json").read_text())
     assert doc["codecs"][0]["name"] == "sharding_indexed"
     np.testing.assert_array_equal(rs.open(tmp_path / "ck")["x"].read(), arr)
 
@@ -135,16 +138,17 @@ def test_redivide_onto_irregular_layouts_writes_a_coarse_grid(saved, tmp_path):
     rs.redivide(str(src), str(tmp_path / "dst"), target)
     ckpt = rs.open(tmp_path / "dst")
     assert ckpt["v"].meta.shard == (37,) and ckpt["bal"].meta.shard == (20, 2)
-    assert len(list((tmp_path / "dst" / "v" / "c").iterdir())) == 7
-    np.testing.assert_array_equal(zarr.open_array(str(tmp_path / "dst" / "v"), mode="r")[:], vec)
+    assert len(list((zarr_root(tmp_path / "dst") / "v" / "c").iterdir())) == 7
+    np.testing.assert_array_equal(zarr.open_array(str(zarr_root(tmp_path / "dst") / "v"), mode="r")[:], vec)
     for name, arr in {"v": vec, "bal": bal}.items():
         for rank in target[name].ranks:
             np.testing.assert_array_equal(ckpt.load(target, rank)[name], arr[target[name].region(rank)])
-    manifest = tmp_path / "dst" / ".reshard" / "ranks" / "0.json"
+    gen = zarr_root(tmp_path / "dst")
+    manifest = gen / ".reshard" / "ranks" / "0.json"
     doc = json.loads(manifest.read_text())
     doc["tensors"]["v"]["shard"] = [5]  # neither grid of the layout
     manifest.write_text(json.dumps(doc))
-    for key in ("commit.json", "commit.lock"):  # committing again merges the manifests
-        (tmp_path / "dst" / ".reshard" / key).unlink()
+    for key in (tmp_path / "dst" / ".reshard" / "commit.json", gen / ".reshard" / "commit.lock"):
+        key.unlink()  # committing again merges the manifests
     with pytest.raises(rs.FormatError, match=r"'v'.*shard shape \[5\]"):
-        rs.commit(str(tmp_path / "dst"))
+        rs.commit(str(tmp_path / "dst"), save_id=ckpt.save_id)

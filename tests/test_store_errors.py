@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 from pathlib import Path
 
 import numpy as np
@@ -72,7 +73,7 @@ def test_load_with_wrong_global_shape(tmp_path):
 def test_corrupted_chunk_names_the_tensor(tmp_path):
     arr = np.arange(4096, dtype=np.float32).reshape(64, 64)
     rs.save({"layer.w": arr, "layer.ok": arr}, tmp_path / "ck", chunk_bytes=2048)
-    shard = next((tmp_path / "ck" / "layer" / "w").rglob("c/0/0"))
+    shard = next((pathlib.Path(rs.open(tmp_path / "ck").zarr_url) / "layer" / "w").rglob("c/0/0"))
     data = bytearray(shard.read_bytes())
     data[100] ^= 0xFF  # flip bits inside the first chunk
     shard.write_bytes(bytes(data))
@@ -85,11 +86,11 @@ def test_corrupted_chunk_names_the_tensor(tmp_path):
 
 def test_truncated_shard_and_garbage_metadata(tmp_path):
     rs.save({"w": np.ones((8, 8))}, tmp_path / "ck")
-    shard = next((tmp_path / "ck" / "w").rglob("c/0/0"))
+    shard = next((pathlib.Path(rs.open(tmp_path / "ck").zarr_url) / "w").rglob("c/0/0"))
     shard.write_bytes(shard.read_bytes()[:-7])
     with pytest.raises((rs.ChecksumError, rs.StorageError, rs.FormatError)):
         rs.open(tmp_path / "ck")["w"].read()
-    Path(tmp_path / "ck" / "zarr.json").write_text("{not json")
+    Path(rs.open(tmp_path / "ck").zarr_url, "zarr.json").write_text("{not json")
     with pytest.raises(ValueError):
         rs.open(tmp_path / "ck")
 

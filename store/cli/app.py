@@ -29,7 +29,17 @@ from .commands import (
     storage_options,
     tensor_stats,
 )
-from .write import EXPORT_FORMATS, OPT_WORDS, cmd_demo, cmd_export, cmd_redivide, load_layout_spec, short_layouts
+from .write import (
+    EXPORT_FORMATS,
+    OPT_WORDS,
+    cmd_demo,
+    cmd_export,
+    cmd_gc,
+    cmd_redivide,
+    cmd_unlock,
+    load_layout_spec,
+    short_layouts,
+)
 
 __all__ = [
     "build_parser", "main", "register_import",
@@ -135,6 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", help="mindspore only: the target strategy file (rank_N/ folders are written)")
     p.add_argument("--prefix", default="", help="torch only: export the tensors under PREFIX, named without it "
                                                 "(--prefix model. gives a file for model.load_state_dict)")
+    p = add("gc", cmd_gc, "delete the saves a checkpoint no longer uses: replaced ones and abandoned attempts")
+    p.add_argument("url")
+    p.add_argument("--min-age", type=float, default=3600.0, metavar="SECONDS",
+                   help="keep saves written in the last SECONDS: they may be in progress (default 3600; 0: none)")
+    p.add_argument("--dry-run", action="store_true", help="only print what would be removed")
+    p = add("unlock", cmd_unlock, "remove the commit lock of a save whose committer died")
+    p.add_argument("url")
+    p.add_argument("--save-id", default="0", help="the save whose lock to remove (default '0')")
     p = add("demo", cmd_demo, "save from 8 ranks, redivide to 7 and to 1, verify every byte")
     p.add_argument("--out", default="./reshard-demo", help="folder or URL for the demo's files")
     p.add_argument("--ranks", type=int, default=8, choices=[1, 2, 4, 8, 16],

@@ -137,3 +137,30 @@ def cmd_demo(args: argparse.Namespace) -> int:
         emit(args, [{"phase": r.phase, "tensors": r.tensors, "bytes": r.nbytes, "seconds": r.seconds}
                      for r in rows], "")
     return 0
+
+
+# ------------------------------------------------------------ maintenance
+def cmd_gc(args: argparse.Namespace) -> int:
+    """``reshard gc``: delete replaced and abandoned saves (see :func:`reshard.store.garbage.gc`)."""
+    from ..garbage import gc
+
+    done = gc(args.url, min_age=args.min_age, dry_run=args.dry_run, storage_options=storage_options(
+        args.storage_option))
+    verb = "would remove" if args.dry_run else "removed"
+    lines = [f"{verb} {name}" for name in done.removed]
+    lines += [f"kept {name} (written in the last {args.min_age:.0f} s: may be in progress)" for name in done.kept_young]
+    if done.legacy:
+        lines.append(f"{verb} the format-version-1 save at the root")
+    emit(args, {"removed": list(done.removed), "kept_young": list(done.kept_young), "legacy": done.legacy,
+                "dry_run": args.dry_run}, "\n".join(lines) or "nothing to remove")
+    return 0
+
+
+def cmd_unlock(args: argparse.Namespace) -> int:
+    """``reshard unlock``: remove the commit lock of a save whose committer died."""
+    from ..protocol import unlock
+
+    found = unlock(args.url, args.save_id, storage_options=storage_options(args.storage_option))
+    emit(args, {"unlocked": found}, f"removed the commit lock of save {args.save_id!r}" if found
+         else f"save {args.save_id!r} had no commit lock")
+    return 0

@@ -21,7 +21,7 @@ from reshard.layouts.errors import BadNameError, FormatError
 from .dtypes import numpy_dtype
 
 #: Version of the reshard layer on top of zarr v3 (attributes, marker, manifests).
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 #: Default target size of one inner chunk, the unit of reading.
 DEFAULT_CHUNK_BYTES = 1 << 20
 #: Inner chunks aim at 1/16 of a shard (so another layout's boundary wastes little),

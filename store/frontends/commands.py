@@ -99,6 +99,7 @@ def _sbp_arg(text: str) -> Any:
 def _oneflow(args: argparse.Namespace) -> int:
     from fnmatch import fnmatchcase
 
+    from ..writer import single_process
     from .oneflow import global_shapes, load_npz, placement_ranks, save_oneflow, tensor_paths
 
     ranks = json.loads(args.placement)
@@ -127,7 +128,8 @@ def _oneflow(args: argparse.Namespace) -> int:
     # plan from the headers (exact global shapes, even for uneven splits), then one rank in memory at a time
     heads = {rank: known(load_npz(src, headers_only=True)) for rank, src in zip(flat, args.src, strict=True)}
     shapes = global_shapes(heads, ranks, spec)
+    options = single_process(_options(args))  # every rank's part from this one process: one fresh save_id
     for i, (rank, src) in enumerate(zip(flat, args.src, strict=True)):
         save_oneflow(known(load_npz(src)), args.dst, ranks, spec, rank=rank, shapes=shapes,
-                     commit=i == len(flat) - 1, **_options(args))
+                     commit=i == len(flat) - 1, **options)
     return _report("OneFlow state", args, t0, {"ranks": len(flat), "tensors": len(shapes)})

@@ -21,7 +21,7 @@ from reshard.layouts.errors import FormatError
 
 from ..io.storage import Storage
 from ..tree import to_json
-from ..writer import create
+from ..writer import create, single_process
 
 #: The globals a DCP ``.metadata`` pickle may name, besides torch dtypes and layouts.
 _DCP_GLOBALS = frozenset(
@@ -159,7 +159,7 @@ def import_dcp(src: str, dst: str, *, src_storage_options: dict[str, Any] | None
                 warnings.warn(f"import_dcp: skipping {fqn!r}: {e}", stacklevel=2)
                 skipped.append(fqn)
     leaves = _regroup(items, getattr(md, "planner_data", None) or {}, layouts)
-    writer = create(dst, layouts, **options)
+    writer = create(dst, layouts, **single_process(options))
     metas = {n: writer.meta(n, lay, dtypes[n]) for n, lay in layouts.items()}
     total = 0
     for fqn, item in md.state_dict_metadata.items():

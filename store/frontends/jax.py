@@ -25,7 +25,7 @@ from reshard.layouts.errors import LayoutError, ShapeMismatchError, TensorNotFou
 from ..format.meta import ArrayMeta
 from ..reader import Checkpoint, open
 from ..tree import to_json, unflatten
-from ..writer import CheckpointWriter, create
+from ..writer import CheckpointWriter, create, single_process
 
 Region = tuple[slice, ...]
 #: Host bytes gathered before one batched read while restoring (small arrays share a batch).
@@ -314,7 +314,7 @@ def import_orbax(src: str, dst: str, **options: Any) -> dict[str, Any]:
         else:
             warnings.warn(f"import_orbax: skipping {name!r} ({kind})", stacklevel=2)
             skipped.append(name)
-    writer = create(dst, layouts, **options)
+    writer = create(dst, layouts, **single_process(options))
     total = 0
     metas = {}
     for name, layout in layouts.items():

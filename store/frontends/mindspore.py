@@ -41,7 +41,7 @@ from reshard.layouts.errors import DTypeMismatchError, FormatError, LayoutError,
 from ..format.dtypes import numpy_dtype
 from ..reader import Checkpoint, open
 from ..tree import flatten
-from ..writer import create
+from ..writer import create, single_process
 from .mindspore_ckpt import SLICE_BYTES, TYPES, Header, ckpt_headers, parse_ckpt, read_ckpt, write_ckpt
 
 #: Name prefixes of optimizer state that shares its parameter's strategy entry.
@@ -255,7 +255,7 @@ def import_mindspore(src_dir: str | os.PathLike[str] | Mapping[int, Any], dst_ur
         if lost:
             raise FormatError(f"{name!r}: ranks {lost} hold its blocks as replica 0 (no other copy) "
                               f"but their files do not hold it (under {src_dir})")
-    writer = create(dst_url, chosen, **options)
+    writer = create(dst_url, chosen, **single_process(options))
     for rank in sorted(set().union(*(lay.ranks for lay in chosen.values()), files)):
         _import_rank(writer, rank, files.get(rank), headers.get(rank, {}), chosen, dtypes, check_crc)
     writer.commit()

@@ -48,7 +48,7 @@ from reshard.layouts.errors import BadNameError, LayoutError
 
 from ..reader import Checkpoint, open
 from ..tree import flatten, is_tensor, unflatten
-from ..writer import CheckpointWriter, create
+from ..writer import CheckpointWriter, create, single_process
 from .oneflow_npz import KeyPath, key_str, load_npz, save_npz, walk
 
 SbpLike = Any  # an SBP, a tuple of them, or a callback (state_dict, tensor) -> SBP
@@ -300,7 +300,7 @@ def save_oneflow(state: Mapping[Any, Any] | None, url: str, ranks: Any, spec: Sb
         got = sorted(state) if state is not None else None
         raise LayoutError(f"save_oneflow without rank= wants {{rank: state dict}} for ranks {flat}, got {got}")
     exact = {**global_shapes(state, ranks, spec), **(shapes or {})}
-    writer = create(url, placement_layouts(state[flat[0]], ranks, spec, shapes=exact), **options)
+    writer = create(url, placement_layouts(state[flat[0]], ranks, spec, shapes=exact), **single_process(options))
     for r in flat:
         writer.write(r, state[r])
     if commit is None or commit:

@@ -23,7 +23,6 @@ from reshard.layouts import Layout
 from reshard.layouts.errors import LayoutError, TensorNotFoundError
 
 from ..io.storage import IOStats
-from ..protocol import commit
 from ..reader import open
 from ..tree import to_json
 from ..writer import create
@@ -176,7 +175,7 @@ def save(state_dict: Mapping[str, Any], url: str, *, process_group: Any = None, 
     _agree(error, process_group, ranks)
     if rank == ranks[0]:
         try:
-            commit(writer.storage, save_id=options.get("save_id"), ranks=ranks)
+            writer.commit()
         except Exception as e:
             error = f"commit: {type(e).__name__}: {e}"
     _agree(error, process_group, ranks)

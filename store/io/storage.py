@@ -9,10 +9,12 @@ straight into the destination buffers (no intermediate copies).
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
@@ -98,6 +100,12 @@ class Storage:
     def __repr__(self) -> str:
         return f"Storage({self.url!r})"
 
+    def child(self, prefix: str) -> Storage:
+        """The objects under ``prefix``, as a storage of their own (same filesystem, same counters)."""
+        sub = copy.copy(self)
+        sub.url, sub.root = f"{self.url}/{prefix}", f"{self.root}/{prefix}"
+        return sub
+
     def path(self, key: str) -> str:
         return f"{self.root}/{key}" if key else self.root
 
@@ -164,6 +172,15 @@ class Storage:
             return []
         return sorted(n.rstrip("/").rsplit("/", 1)[-1] for n in names)
 
+    def modified(self, key: str) -> float | None:
+        """Newest modification time (POSIX seconds) of ``key`` or of the objects directly under it; None if absent."""
+        try:
+            infos = self._call(key, lambda: self.fs.ls(self.path(key), detail=True))
+        except FileNotFoundError:
+            return None
+        times = [_mtime(i) for i in infos]
+        return max((t for t in times if t is not None), default=None)
+
     # ------------------------------------------------------------ writing
     def write(self, key: str, data: bytes | Sequence[Any]) -> None:
         """Write (or replace) one object from bytes or a list of buffers."""
@@ -182,6 +199,23 @@ class Storage:
             blob = parts[0] if len(parts) == 1 else b"".join(parts)
             self._call(key, lambda: self.fs.pipe_file(self.path(key), bytes(blob)))
         self.count(writes=1, bytes_written=nbytes)
+
+    def write_atomic(self, key: str, data: bytes) -> None:
+        """Write (or replace) one small object so that readers see the old or the new bytes, never a mix.
+
+        An object store's PUT is atomic already; a local file is written beside and renamed over.
+        """
+        if not self.local:
+            self.write(key, data)
+            return
+        tmp = f"{key}.{uuid.uuid4().hex}.tmp"
+        self.write(tmp, data)
+        try:
+            os.replace(self.path(tmp), self.path(key))
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path(tmp))
+            raise
 
     def write_new(self, key: str, data: bytes) -> None:
         """Write an object only if it does not exist yet (atomic create).
@@ -244,6 +278,21 @@ class Storage:
                 self.count(retries=1)
                 time.sleep(min(2.0, 0.05 * 2**attempt))
         raise AssertionError("unreachable")
+
+
+def _mtime(info: dict[str, Any]) -> float | None:
+    """Modification time from an fsspec listing entry (local ``mtime``, S3 ``LastModified``, memory ``created``)."""
+    for field in ("mtime", "LastModified", "last_modified", "created", "updated"):
+        value = info.get(field)
+        if value is None:
+            continue
+        if hasattr(value, "timestamp"):
+            return float(value.timestamp())
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            continue
+    return None
 
 
 def _read_file(path: str) -> bytes:

@@ -1,0 +1,86 @@
+"""Deleting what no reader needs: replaced and abandoned saves (``reshard gc``).
+
+A checkpoint URL holds one committed save (the generation its marker names) and,
+after overwrites and crashes, others: the saves it replaced (readers that opened
+them may still be reading: they get :class:`CheckpointReplacedError` once theirs
+is gone) and attempts that never committed (possibly still being written).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .format.meta import LOCK_KEY, META_DIR
+from .io.storage import Storage
+from .protocol import GENERATION_PREFIX, loads_json, read_marker
+
+#: Uncommitted saves younger than this (seconds since their last manifest or lock) may still be written.
+DEFAULT_MIN_AGE = 3600.0
+
+
+@dataclass(frozen=True)
+class Collected:
+    """What :func:`gc` removed (or would remove, with ``dry_run``) and what it kept."""
+
+    removed: tuple[str, ...]
+    kept_young: tuple[str, ...]
+    legacy: bool
+
+
+def gc(url: str | Storage, *, min_age: float = DEFAULT_MIN_AGE, dry_run: bool = False,
+       storage_options: dict[str, Any] | None = None) -> Collected:
+    """Delete every save of ``url`` but the committed one.
+
+    Parameters
+    ----------
+    url : str or Storage
+        The checkpoint.
+    min_age : float
+        A save is deleted only when nothing of it (manifest, lock, metadata)
+        was written for this many seconds: a younger one may be a save in
+        progress, or one that readers opened moments ago. ``0`` deletes all.
+    dry_run : bool
+        Only say what would go.
+    storage_options : dict, optional
+        fsspec options when ``url`` is a string.
+
+    Returns
+    -------
+    Collected
+        The generations removed and kept, and whether a format-version-1 save
+        at the URL's root (replaced by a newer save) was removed.
+    """
+    root = url if isinstance(url, Storage) else Storage(url, storage_options)
+    found = read_marker(root)
+    committed = found[0].generation if found is not None else None
+    removed: list[str] = []
+    young: list[str] = []
+    now = time.time()
+    for name in root.list(""):
+        if not name.startswith(GENERATION_PREFIX) or name == committed:
+            continue
+        gen = root.child(name)
+        times = [gen.modified(k) for k in (f"{META_DIR}/ranks", LOCK_KEY, "zarr.json")]
+        latest = max((t for t in times if t is not None), default=None)
+        (young if latest is not None and now - latest < min_age else removed).append(name)
+    legacy = found is not None and found[0].format_version >= 2 and root.exists("zarr.json")
+    if not dry_run:
+        for name in removed:
+            root.delete(name)
+        if legacy:
+            _delete_legacy(root)
+    return Collected(tuple(removed), tuple(young), legacy)
+
+
+def _delete_legacy(root: Storage) -> None:
+    """Remove a format-version-1 save at the URL's root, replaced by a generation."""
+    doc = loads_json(f"{root.url}/zarr.json", root.read("zarr.json"))
+    paths = (doc.get("consolidated_metadata") or {}).get("metadata") or {}
+    for top in sorted({p.split("/")[0] for p in paths}):
+        if not top.startswith(GENERATION_PREFIX):
+            root.delete(top)
+    root.delete(f"{META_DIR}/ranks")
+    root.delete(LOCK_KEY)
+    root.delete("zarr.json")
