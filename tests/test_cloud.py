@@ -197,3 +197,21 @@ def test_general_engines_read_from_s3(s3_server, s3_bucket, engine, monkeypatch)
     ckpt = rs.open(url, storage_options=opts, engine=engine)
     for name, arr in full_state().items():
         np.testing.assert_array_equal(ckpt[name].read(), arr)
+
+
+def test_overwrite_gc_and_replaced_readers_on_the_backend(backend):
+    """Generations on every storage: an overwrite leaves the old save readable until it commits, a reader of the
+    replaced save is told so, and gc removes only what is old enough (listing times from each filesystem)."""
+    url = backend.url("gens")
+    opts = backend.options
+    rs.save(full_state(0), url, source_layouts(), storage_options=opts)
+    before = rs.open(url, storage_options=opts)
+    rs.create(url, source_layouts(), overwrite=True, save_id="next", storage_options=opts)  # begun, not written
+    np.testing.assert_array_equal(rs.open(url, storage_options=opts)["model.w"].read(), full_state(0)["model.w"])
+    rs.save(full_state(1), url, source_layouts(), storage_options=opts, overwrite=True)
+    with pytest.raises(rs.CheckpointReplacedError):
+        before["model.w"].read()
+    assert rs.gc(url, storage_options=opts).removed == ()  # the replaced save was written just now
+    gone = rs.gc(url, min_age=0, storage_options=opts)
+    assert len(gone.removed) == 1
+    np.testing.assert_array_equal(rs.open(url, storage_options=opts)["model.w"].read(), full_state(1)["model.w"])
