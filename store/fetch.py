@@ -11,7 +11,7 @@ import functools
 import math
 
 import numpy as np
-from reshard.layouts.errors import FormatError
+from reshard.layouts.errors import FormatError, StorageError
 
 from .format.meta import ArrayMeta
 from .format.shard import SMALL_SHARD_BYTES, Request, coalesce, decode_index, execute, plan_reads
@@ -120,6 +120,8 @@ class Fetcher:
                     size = len(data)
             except FileNotFoundError:
                 raise FormatError(f"tensor {meta.name!r}: shard {key!r} is missing from {self.url}") from None
+            except StorageError as e:
+                raise StorageError(f"tensor {meta.name!r}: {e}") from e
             self.indexes[key] = decode_index(data, meta, key)
             return size
 

@@ -45,8 +45,8 @@ from .format.meta import (
     escape_component,
     group_json,
     shard_shape,
-    tensor_path,
 )
+from .format.schema import check_component, check_manifest, check_names, loads_json, marker_fields, with_digest
 from .io import pool
 from .io.storage import Storage
 
@@ -73,7 +73,9 @@ def save_id_of(save_id: Any) -> str:
 def generation_of(save_id: Any) -> str:
     """The folder of a save's generation: ``gen-<save_id>``, escaped like tensor names."""
     sid = save_id_of(save_id)
-    return GENERATION_PREFIX + escape_component(sid, f"save_id {sid!r}")
+    generation = GENERATION_PREFIX + escape_component(sid, f"save_id {sid!r}")
+    check_component(generation, f"save_id {sid[:40]!r}", "generation")
+    return generation
 
 
 def manifest_key(rank: int) -> str:
@@ -112,14 +114,7 @@ class Marker:
         if version > FORMAT_VERSION:
             raise FormatError(f"{url}: format version {version} is newer than this reshard ({FORMAT_VERSION}); "
                               "upgrade reshard")
-        try:
-            marker = cls(format_version=version, generation=str(doc.get("generation", "")),
-                         save_id=None if doc.get("save_id") is None else str(doc["save_id"]),
-                         time=float(doc.get("time", 0.0)), tensors=int(doc.get("tensors", -1)),
-                         ranks=[int(r) for r in doc.get("ranks", [])],
-                         metadata_sha256=doc.get("metadata_sha256"), form=str(doc.get("form", "directory")))
-        except (TypeError, ValueError) as e:
-            raise FormatError(f"{where}: malformed commit marker ({e})") from None
+        marker = cls(format_version=version, **marker_fields(doc, where))
         if version >= 2 and (not marker.generation.startswith(GENERATION_PREFIX) or "/" in marker.generation
                              or not isinstance(marker.metadata_sha256, str)):
             raise FormatError(f"{where}: malformed commit marker (generation {marker.generation!r}, "
@@ -127,7 +122,8 @@ class Marker:
         return marker
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self)).encode()
+        """The marker's bytes, with the sha256 of its own canonical JSON (any edit is detected)."""
+        return with_digest(asdict(self))
 
 
 def read_marker(root: Storage) -> tuple[Marker, bytes] | None:
@@ -301,12 +297,12 @@ def read_manifests(storage: Storage, save_id: str | None = None,
         present = [int(n.split(".")[0]) for n in storage.list(f"{META_DIR}/ranks") if n.endswith(".json")]
         if not present:
             raise UncommittedCheckpointError(f"{storage.url}: no rank has written anything yet")
-        expected = read_json(storage, manifest_key(present[0]))["expected_ranks"]
+        expected = read_manifest(storage, present[0])["expected_ranks"]
     manifests: dict[int, dict[str, Any]] = {}
 
     def load(r: int) -> None:
         try:
-            m = read_json(storage, manifest_key(r))
+            m = read_manifest(storage, r)
         except FileNotFoundError:
             return
         if save_id is not None and m.get("save_id") != save_id:
@@ -318,6 +314,15 @@ def read_manifests(storage: Storage, save_id: str | None = None,
     if missing:
         raise UncommittedCheckpointError(describe_missing(storage.url, missing, manifests))
     return manifests
+
+
+def read_manifest(storage: Storage, rank: int) -> dict[str, Any]:
+    """One rank's manifest, checked (:func:`reshard.store.format.schema.check_manifest`)."""
+    where = f"{storage.url}/{manifest_key(rank)}"
+    doc = check_manifest(loads_json(where, storage.read(manifest_key(rank))), where)
+    if doc["rank"] != rank:
+        raise FormatError(f"{where}: the manifest says it is rank {doc['rank']}'s")
+    return doc
 
 
 def describe_missing(url: str, missing: list[int], manifests: dict[int, dict[str, Any]]) -> str:
@@ -358,7 +363,7 @@ def merge_manifests(url: str, manifests: dict[int, dict[str, Any]]) -> tuple[dic
             metas[name] = ArrayMeta(name=name, shape=tuple(layout.shape), dtype=t["dtype"], shard=shard,
                                     chunk=tuple(t["chunk"]), layout=layout, checksums=t["checksums"],
                                     compressor=t["compressor"], origin=layout.origin)
-            tensor_path(name)  # validates the name once more
+    check_names(metas, {n: m.path for n, m in metas.items()}, url)
     return metas, leaves
 
 
@@ -376,11 +381,3 @@ def _shard_of(url: str, name: str, layout: Layout, recorded: Any) -> tuple[int, 
 
 def read_json(storage: Storage, key: str) -> Any:
     return loads_json(f"{storage.url}/{key}", storage.read(key))
-
-
-def loads_json(where: str, raw: bytes) -> Any:
-    """JSON from bytes; a :class:`FormatError` naming ``where`` for anything that is not JSON."""
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise FormatError(f"{where} is not valid JSON: {e}") from None

@@ -24,7 +24,8 @@ from reshard.layouts.errors import (
 )
 
 from .fetch import DEFAULT_GAP, Fetcher
-from .format.meta import COMMIT_KEY, META_DIR, ArrayMeta, tensor_name
+from .format.meta import COMMIT_KEY, META_DIR, ArrayMeta, stored_name
+from .format.schema import check_root, loads_json
 from .io.storage import IOStats, Storage
 from .lazy import LazyTensor, Region
 from .protocol import (
@@ -32,11 +33,9 @@ from .protocol import (
     Marker,
     generation_of,
     generation_storage,
-    loads_json,
-    manifest_key,
     merge_manifests,
     metadata_digest,
-    read_json,
+    read_manifest,
     read_manifests,
     read_marker,
 )
@@ -334,19 +333,12 @@ def read_metadata(storage: Storage, marker: Marker) -> tuple[dict[str, ArrayMeta
     if marker.metadata_sha256 is not None and metadata_digest(raw) != marker.metadata_sha256:
         raise FormatError(f"{where} does not match the digest in its commit marker: the metadata was edited or "
                           "corrupted after the commit")
-    root = loads_json(where, raw)
-    try:
-        leaves = root["attributes"]["reshard"]["leaves"]
-        docs = root["consolidated_metadata"]["metadata"]
-        if not isinstance(leaves, dict) or not isinstance(docs, dict):
-            raise TypeError
-    except (KeyError, TypeError):
-        raise FormatError(f"{where} lacks reshard's consolidated metadata") from None
+    leaves, docs = check_root(loads_json(where, raw), where)
     arrays = {}
     for path, doc in docs.items():
-        if isinstance(doc, dict) and doc.get("node_type") == "array":
-            name = tensor_name(path)
-            arrays[name] = ArrayMeta.from_zarr_json(name, doc)
+        if doc["node_type"] == "array":
+            name = stored_name(path, where)
+            arrays[name] = ArrayMeta.from_zarr_json(name, doc, where)
     if marker.format_version >= 2 and len(arrays) != marker.tensors:
         raise FormatError(f"{where} describes {len(arrays)} tensors, its commit marker {marker.tensors}")
     return dict(sorted(arrays.items())), leaves
@@ -391,7 +383,7 @@ def _from_manifests(storage: Storage) -> tuple[dict[str, ArrayMeta], dict[str, A
         return merge_manifests(storage.url, read_manifests(storage))
     except UncommittedCheckpointError:
         present = [int(n.split(".")[0]) for n in storage.list(f"{META_DIR}/ranks") if n.endswith(".json")]
-        manifests = {r: read_json(storage, manifest_key(r)) for r in present}
+        manifests = {r: read_manifest(storage, r) for r in present}
         return merge_manifests(storage.url, manifests)
 
 

@@ -17,7 +17,6 @@ Nothing is renamed (object stores cannot) and readers trust only the marker.
 
 from __future__ import annotations
 
-import json
 import math
 import uuid
 from collections.abc import Mapping
@@ -40,7 +39,9 @@ from .format.meta import (
     ArrayMeta,
     inner_chunk_shape,
     shard_shape,
+    tensor_path,
 )
+from .format.schema import check_names, with_digest
 from .format.shard import SMALL_SHARD_BYTES, encode_shard
 from .io import pool
 from .io.storage import Storage
@@ -80,6 +81,7 @@ class CheckpointWriter:
         self.checksums = checksums
         self.chunk_bytes = int(chunk_bytes)
         self._written: set[int] = set()
+        self.check_names(self.names())
         current = read_marker(self.root)
         if current is not None:
             committed = current[0]
@@ -99,6 +101,15 @@ class CheckpointWriter:
     @property
     def url(self) -> str:
         return self.root.url
+
+    def check_names(self, names: Any) -> None:
+        """Refuse names the format cannot hold (one a prefix of another, a component too long), naming them.
+
+        Called at :func:`create` for the names the layouts give and at every
+        ``write`` for the names passed: before the first byte is written.
+        """
+        names = list(names)
+        check_names(names, {n: tensor_path(n) for n in names}, self.root.url)
 
     def layout(self, name: str, shape: tuple[int, ...] | None = None) -> Layout:
         """The saving layout of tensor ``name``."""
@@ -144,6 +155,7 @@ class CheckpointWriter:
         Everything is validated before the first byte is written.
         """
         tensors, leaves = flatten(state, self.layouts if isinstance(self.layouts, Mapping) else self.shapes)
+        self.check_names({*tensors, *self.names()})
         metas: dict[str, ArrayMeta] = {}
         for name, value in tensors.items():
             layout = self.layout(name)
@@ -167,7 +179,7 @@ class CheckpointWriter:
             if meta.layout.replica_id(rank) == 0:
                 jobs += self._shard_jobs(meta, meta.layout.region(rank), tensors[name])
         pool.run_all(jobs, self.storage.local)
-        self.storage.write(manifest_key(rank), json.dumps(self._manifest(rank, metas, leaves)).encode())
+        self.storage.write_atomic(manifest_key(rank), with_digest(self._manifest(rank, metas, leaves)))
         self._written.add(rank)
 
     def _check_not_written(self, rank: int) -> None:
@@ -195,7 +207,7 @@ class CheckpointWriter:
         ranks = sorted(set().union(*(m.layout.ranks for m in metas.values()))) or [0]
         for rank in ranks:
             held = {n: m for n, m in metas.items() if rank in m.layout.ranks}
-            self.storage.write(manifest_key(rank), json.dumps(self._manifest(rank, held, dict(leaves))).encode())
+            self.storage.write_atomic(manifest_key(rank), with_digest(self._manifest(rank, held, dict(leaves))))
 
     def _shard_jobs(self, meta: ArrayMeta, region: tuple[slice, ...], local: np.ndarray) -> list[Any]:
         if self.engine == "tensorstore" and meta.shape:

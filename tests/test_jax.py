@@ -36,6 +36,11 @@ def test_orbax_import_and_restore_elsewhere(tmp_path: Path) -> None:
     _run("orbax", tmp_path)
 
 
+def test_orbax_import_resolves_paths_and_refuses_empty_imports(tmp_path: Path) -> None:
+    """Issue 11 defect 9: relative, missing and CheckpointManager paths committed an empty checkpoint."""
+    _run("orbax_paths", tmp_path)
+
+
 # ------------------------------------------------------------ in the subprocess
 def _values() -> dict[str, np.ndarray]:
     import ml_dtypes
@@ -196,6 +201,58 @@ def scenario_orbax(tmp: Path) -> None:
     assert ckpt.leaves == {"f": 1.5, "s": "hello"}
     np.testing.assert_array_equal(ckpt.read("a"), legacy["a"])
     np.testing.assert_array_equal(ckpt.read("j"), want["params.w"])
+
+
+def scenario_orbax_paths(tmp: Path) -> None:
+    import contextlib
+    import io
+
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+    import reshard.store as rs
+    from reshard.store.cli import main
+    from reshard.store.frontends import jax as rj
+
+    os.chdir(tmp)
+    manager = ocp.CheckpointManager(tmp / "runs")
+    for step in (1, 5):
+        manager.save(step, args=ocp.args.StandardSave({"w": jnp.arange(6.0) * step, "n": step}))
+    manager.wait_until_finished()
+    # a relative CheckpointManager root: the latest step, said so
+    report = rj.import_orbax("runs", "ck")
+    assert report["step"] == 5 and report["source"] == str(tmp / "runs" / "5" / "default"), report
+    np.testing.assert_array_equal(rs.open(str(tmp / "ck")).read("w"), np.arange(6.0) * 5)
+    assert rj.import_orbax("runs", "ck1", step=1)["step"] == 1
+    np.testing.assert_array_equal(rs.open(str(tmp / "ck1")).read("w"), np.arange(6.0))
+    for bad, match in [("nowhere", "no such Orbax checkpoint"), ("ck", "neither an Orbax checkpoint")]:
+        try:
+            rj.import_orbax(bad, "never")
+        except rs.CheckpointNotFoundError as e:
+            assert match in str(e), e
+        else:
+            raise AssertionError(f"{bad}: imported")
+    try:
+        rj.import_orbax("runs", "never", step=3)
+    except rs.CheckpointNotFoundError as e:
+        assert "steps found: [1, 5]" in str(e), e
+    else:
+        raise AssertionError("step 3 imported")
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp / "scalars", {"n": 3, "lr": 0.5})
+    checkpointer.wait_until_finished()
+    try:
+        rj.import_orbax("scalars", "never")
+    except rs.CheckpointNotFoundError as e:
+        assert "holds no tensors" in str(e), e
+    else:
+        raise AssertionError("a checkpoint without arrays imported")
+    assert not (tmp / "never").exists()
+    with contextlib.redirect_stderr(io.StringIO()):
+        assert main(["import", "orbax", "nowhere", "never"]) == 1
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["import", "orbax", "runs", "ck2"]) == 0
+    assert '"step": 5' in out.getvalue(), out.getvalue()
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from reshard.layouts import Layout
 from reshard.layouts.errors import BadNameError, FormatError
 
 from .dtypes import numpy_dtype
+from .schema import check_array
 
 #: Version of the reshard layer on top of zarr v3 (attributes, marker, manifests).
 FORMAT_VERSION = 2
@@ -69,6 +70,17 @@ def tensor_path(name: str) -> str:
 def tensor_name(path: str) -> str:
     """Return the dotted tensor name of a zarr path (inverse of :func:`tensor_path`)."""
     return ".".join(unescape_component(p) for p in path.split("/"))
+
+
+def stored_name(path: str, where: str) -> str:
+    """The tensor name of a stored zarr path, refusing a path :func:`tensor_path` would not write."""
+    try:
+        name = tensor_name(path)
+        if tensor_path(name) == path:
+            return name
+    except (UnicodeDecodeError, BadNameError):
+        pass
+    raise FormatError(f"{where}: {path!r} is not the stored form of a tensor name")
 
 
 # --------------------------------------------------------------- chunk grids
@@ -245,38 +257,24 @@ class ArrayMeta:
         }
 
     @classmethod
-    def from_zarr_json(cls, name: str, doc: dict[str, Any]) -> ArrayMeta:
-        """Read back :meth:`to_zarr_json` (and validate what reshard relies on)."""
-        try:
-            shape = tuple(doc["shape"])
-            dtype = doc["data_type"]
-            shard = tuple(doc["chunk_grid"]["configuration"]["chunk_shape"])
-            codecs = doc["codecs"]
-            if shape:
-                cfg = codecs[0]["configuration"]
-                if codecs[0]["name"] != "sharding_indexed" or cfg["index_location"] != "end":
-                    raise FormatError(f"tensor {name!r}: unsupported codecs {codecs}")
-                chunk, inner = tuple(cfg["chunk_shape"]), cfg["codecs"]
-            else:
-                chunk, inner = (), codecs
-            names = [c["name"] for c in inner]
-            rs = doc["attributes"]["reshard"]
-            layout = Layout.from_json(rs["layout"])
-        except (KeyError, IndexError, TypeError) as e:
-            raise FormatError(f"tensor {name!r}: malformed zarr.json ({e!r})") from None
-        if names[0] != "bytes" or any(n not in ("bytes", "zstd", "crc32c") for n in names):
-            raise FormatError(f"tensor {name!r}: unsupported inner codecs {names}")
-        return cls(
-            name=name,
-            shape=shape,
-            dtype=dtype,
-            shard=shard,
-            chunk=chunk,
-            layout=layout,
-            checksums="crc32c" in names,
-            compressor="zstd" if "zstd" in names else None,
-            origin=rs.get("origin"),
-        )
+    def from_zarr_json(cls, name: str, doc: dict[str, Any], where: str = "zarr.json") -> ArrayMeta:
+        """Read back :meth:`to_zarr_json`, strictly (see :func:`reshard.store.format.schema.check_array`).
+
+        The shard shape must also be one of the grids its layout allows
+        (:func:`shard_shape`): an edited grid would read other shards' bytes.
+
+        Raises
+        ------
+        FormatError
+            Anything malformed, naming ``where`` and the tensor.
+        """
+        f = check_array(name, doc, where)
+        layout = f["layout"]
+        if f["shape"] and f["shard"] not in (shard_shape(layout), shard_shape(layout, single_writer=True)):
+            raise FormatError(f"{where}: tensor {name!r}: shard shape {list(f['shard'])} is not a grid of its "
+                              f"layout {layout.describe()}")
+        return cls(name=name, shape=f["shape"], dtype=f["dtype"], shard=f["shard"], chunk=f["chunk"],
+                   layout=layout, checksums=f["checksums"], compressor=f["compressor"], origin=f["origin"])
 
 
 def group_json(attributes: dict[str, Any] | None = None) -> dict[str, Any]:

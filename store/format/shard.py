@@ -86,6 +86,8 @@ def encode_shard(data: np.ndarray, meta: ArrayMeta) -> list[Any]:
 
 def decode_index(data: bytes, meta: ArrayMeta, key: str) -> np.ndarray:
     """Parse and check a shard index; returns an ``(n, 2)`` uint64 array."""
+    if len(data) != meta.index_nbytes():
+        raise FormatError(f"tensor {meta.name!r}: shard {key!r} is shorter than its index (truncated)")
     raw, crc = data[:-4], data[-4:]
     if crc32c(raw) != int.from_bytes(crc, "little"):
         raise ChecksumError(f"tensor {meta.name!r}: shard index of {key!r} fails its crc32c")
@@ -247,6 +249,9 @@ def execute(storage: Storage, req: Request, meta: ArrayMeta, dest: np.ndarray,
         pieces = _fetch(storage, req, dest, flat, tail)
         fetched = req.nbytes
     else:
+        if any(r.offset + r.nbytes > blob.nbytes for r in req.reads):
+            raise FormatError(f"tensor {meta.name!r}: {storage.url}/{req.key} is shorter than its index says "
+                              "(truncated)")
         pieces = [(r, blob[r.offset : r.offset + r.nbytes - tail],
                    blob[r.offset + r.nbytes - tail : r.offset + r.nbytes]) for r in req.reads]
     for r, data, crc in pieces:
@@ -309,6 +314,10 @@ def _place(data: memoryview, r: ChunkRead, meta: ArrayMeta, dest: np.ndarray) ->
 
 
 def _decode_into(data: memoryview, r: ChunkRead, meta: ArrayMeta, dest: np.ndarray) -> None:
-    raw: Any = _zstd().decode(data) if meta.compressor == "zstd" else data
-    chunk = np.frombuffer(raw, dtype=meta.np_dtype.newbyteorder("<")).reshape(meta.chunk)
+    try:
+        raw: Any = _zstd().decode(data) if meta.compressor == "zstd" else data
+        chunk = np.frombuffer(raw, dtype=meta.np_dtype.newbyteorder("<")).reshape(meta.chunk)
+    except (ValueError, RuntimeError, TypeError) as e:  # zstd's errors; a size that is not the chunk's
+        raise FormatError(f"tensor {meta.name!r}: chunk at byte {r.offset} of {r.key!r} does not decode to "
+                          f"{meta.dtype}{list(meta.chunk)} ({e})") from None
     dest[r.dst] = chunk[r.src]

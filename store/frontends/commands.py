@@ -33,7 +33,9 @@ def register_import(subparsers: Any, common: argparse.ArgumentParser) -> None:
         return p
 
     add("dcp", _dcp, "torch.distributed.checkpoint folder (.metadata + *.distcp)")
-    add("orbax", _orbax, "Orbax checkpoint folder (StandardCheckpointer / PyTreeCheckpointer)")
+    p = add("orbax", _orbax, "Orbax checkpoint folder (StandardCheckpointer / PyTreeCheckpointer), a step folder, "
+                             "or a CheckpointManager folder (its latest finished step, or --step)")
+    p.add_argument("--step", type=int, default=None, help="with a CheckpointManager folder: the step to import")
     p = add("mindspore", _mindspore, "MindSpore per-rank rank_N/*.ckpt files plus the training strategy file")
     p.add_argument("--strategy", required=True, help="strategy file (protobuf or JSON, pipeline-merged too)")
     p = sub.add_parser("oneflow", parents=[common], help=ONEFLOW_HELP, description=ONEFLOW_HELP)
@@ -78,7 +80,7 @@ def _orbax(args: argparse.Namespace) -> int:
     from .jax import import_orbax
 
     t0 = time.perf_counter()
-    return _report("Orbax checkpoint", args, t0, import_orbax(args.src, args.dst, **_options(args)))
+    return _report("Orbax checkpoint", args, t0, import_orbax(args.src, args.dst, step=args.step, **_options(args)))
 
 
 def _mindspore(args: argparse.Namespace) -> int:
@@ -101,6 +103,7 @@ def _oneflow(args: argparse.Namespace) -> int:
 
     from ..writer import single_process
     from .oneflow import global_shapes, load_npz, placement_ranks, save_oneflow, tensor_paths
+    from .sources import refuse_empty
 
     ranks = json.loads(args.placement)
     flat = placement_ranks(ranks)
@@ -128,6 +131,7 @@ def _oneflow(args: argparse.Namespace) -> int:
     # plan from the headers (exact global shapes, even for uneven splits), then one rank in memory at a time
     heads = {rank: known(load_npz(src, headers_only=True)) for rank, src in zip(flat, args.src, strict=True)}
     shapes = global_shapes(heads, ranks, spec)
+    refuse_empty("OneFlow", " ".join(args.src), len(shapes))
     options = single_process(_options(args))  # every rank's part from this one process: one fresh save_id
     for i, (rank, src) in enumerate(zip(flat, args.src, strict=True)):
         save_oneflow(known(load_npz(src)), args.dst, ranks, spec, rank=rank, shapes=shapes,

@@ -17,11 +17,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from reshard.layouts import Layout
-from reshard.layouts.errors import FormatError
+from reshard.layouts.errors import CheckpointNotFoundError, FormatError
 
 from ..io.storage import Storage
 from ..tree import to_json
 from ..writer import create, single_process
+from .sources import local_path, refuse_empty
 
 #: The globals a DCP ``.metadata`` pickle may name, besides torch dtypes and layouts.
 _DCP_GLOBALS = frozenset(
@@ -137,11 +138,11 @@ def import_dcp(src: str, dst: str, *, src_storage_options: dict[str, Any] | None
     """
     from .torch_arrays import to_numpy
 
-    src_store = Storage(src, src_storage_options)
+    src_store = Storage(local_path(src), src_storage_options)
     try:
         raw = src_store.read(".metadata")
     except FileNotFoundError:
-        raise FormatError(f"{src_store.url}: no DCP .metadata file") from None
+        raise CheckpointNotFoundError(f"{src_store.url}: no DCP checkpoint there (no .metadata file)") from None
     md = read_dcp_metadata(raw)
     where = {(idx.fqn, None if idx.offset is None else tuple(idx.offset)): info
              for idx, info in md.storage_data.items()}
@@ -159,6 +160,7 @@ def import_dcp(src: str, dst: str, *, src_storage_options: dict[str, Any] | None
                 warnings.warn(f"import_dcp: skipping {fqn!r}: {e}", stacklevel=2)
                 skipped.append(fqn)
     leaves = _regroup(items, getattr(md, "planner_data", None) or {}, layouts)
+    refuse_empty("DCP", src_store.url, len(layouts), f" (found {len(items)} other items)")
     writer = create(dst, layouts, **single_process(options))
     metas = {n: writer.meta(n, lay, dtypes[n]) for n, lay in layouts.items()}
     total = 0

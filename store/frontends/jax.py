@@ -14,18 +14,26 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from reshard.layouts import Layout
-from reshard.layouts.errors import LayoutError, ShapeMismatchError, TensorNotFoundError
+from reshard.layouts.errors import (
+    CheckpointNotFoundError,
+    FormatError,
+    LayoutError,
+    ShapeMismatchError,
+    TensorNotFoundError,
+)
 
 from ..format.meta import ArrayMeta
 from ..reader import Checkpoint, open
 from ..tree import to_json, unflatten
 from ..writer import CheckpointWriter, create, single_process
+from .sources import local_path, refuse_empty
 
 Region = tuple[slice, ...]
 #: Host bytes gathered before one batched read while restoring (small arrays share a batch).
@@ -252,7 +260,7 @@ def _orbax_layout(meta: Any) -> Layout:
     return Layout.single(shape)
 
 
-def import_orbax(src: str, dst: str, **options: Any) -> dict[str, Any]:
+def import_orbax(src: str, dst: str, *, step: int | None = None, **options: Any) -> dict[str, Any]:
     """Convert an Orbax checkpoint (``StandardCheckpointer``/``PyTreeCheckpointer``) to reshard.
 
     Orbax's metadata gives the tree, shapes, dtypes and saving shardings;
@@ -264,27 +272,37 @@ def import_orbax(src: str, dst: str, **options: Any) -> dict[str, Any]:
     Parameters
     ----------
     src : str
-        The Orbax item directory (the one holding ``_METADATA``; for a
-        CheckpointManager step, ``<step>/<item>``; ``<step>/default`` is tried).
+        The Orbax item directory (the one holding ``_METADATA``), a step
+        folder (``<step>/default`` or its only item is taken), or a
+        ``CheckpointManager`` root (the latest finished step is taken, or
+        ``step``). Relative paths are resolved against the working directory.
     dst : str
         The new checkpoint.
+    step : int, optional
+        For a ``CheckpointManager`` root: the step to import.
     **options
         As for :func:`reshard.store.create`.
 
     Returns
     -------
     dict
-        ``{"tensors": n, "leaves": n, "bytes": n, "skipped": [names]}``.
+        ``{"tensors": n, "leaves": n, "bytes": n, "skipped": [names], "source": item folder,
+        "step": the step imported from a CheckpointManager root, else None}``.
+
+    Raises
+    ------
+    CheckpointNotFoundError
+        No Orbax checkpoint at ``src``, or one without arrays (nothing is written).
     """
     import orbax.checkpoint as ocp
     import tensorstore as ts
     from etils import epath
 
-    path = epath.Path(src)
-    if not (path / "_METADATA").exists() and (path / "default" / "_METADATA").exists():
-        path = path / "default"
+    path, step = orbax_item(epath.Path(local_path(src)), step)
     md = ocp.PyTreeCheckpointer().metadata(str(path))
     md = getattr(md, "item_metadata", md)
+    if md is None:
+        raise FormatError(f"{path}: Orbax finds no item metadata there")
     use_zarr3 = bool(getattr(md, "use_zarr3", False))
     tree = getattr(md, "tree", md)
     ocdbt = ocp.type_handlers.is_ocdbt_checkpoint(path)
@@ -314,6 +332,7 @@ def import_orbax(src: str, dst: str, **options: Any) -> dict[str, Any]:
         else:
             warnings.warn(f"import_orbax: skipping {name!r} ({kind})", stacklevel=2)
             skipped.append(name)
+    refuse_empty("Orbax", path, len(layouts), f" (found {len(leaves)} scalars, skipped {len(skipped)})")
     writer = create(dst, layouts, **single_process(options))
     total = 0
     metas = {}
@@ -326,7 +345,59 @@ def import_orbax(src: str, dst: str, **options: Any) -> dict[str, Any]:
             total += data.nbytes
     writer.write_manifests(metas, leaves)
     writer.commit()
-    return {"tensors": len(layouts), "leaves": len(leaves), "bytes": total, "skipped": skipped}
+    return {"tensors": len(layouts), "leaves": len(leaves), "bytes": total, "skipped": skipped,
+            "source": str(path), "step": step}
+
+
+def orbax_item(path: Any, step: int | None = None) -> tuple[Any, int | None]:
+    """The Orbax item folder (the one holding ``_METADATA``) that ``path`` names, and its step.
+
+    ``path`` may be the item folder itself, a step folder holding one item
+    (or ``default``), or a ``CheckpointManager`` root: then ``step`` picks the
+    step folder, by default the latest finished one (the number is returned).
+
+    Raises
+    ------
+    CheckpointNotFoundError
+        Nothing at ``path``, no Orbax checkpoint under it, or no such ``step``.
+    FormatError
+        A step folder with several items (the message names them: pass one).
+    """
+    if not path.exists():
+        raise CheckpointNotFoundError(f"{path}: no such Orbax checkpoint")
+    item = _item_in(path)
+    if item is not None:
+        if step is not None:
+            raise CheckpointNotFoundError(f"{path} is one Orbax checkpoint, not a CheckpointManager folder of steps; "
+                                          "drop step=")
+        return item, None
+    steps = {}
+    for child in path.iterdir():
+        m = re.fullmatch(r"(?:.*_)?(\d+)", child.name)
+        if m and child.is_dir() and _item_in(child) is not None:
+            steps[int(m.group(1))] = child
+    if not steps:
+        raise CheckpointNotFoundError(f"{path}: neither an Orbax checkpoint (no _METADATA) nor a CheckpointManager "
+                                      "folder (no finished step folder holding one)")
+    chosen = max(steps) if step is None else int(step)
+    if chosen not in steps:
+        raise CheckpointNotFoundError(f"{path}: no finished step {chosen}; steps found: {sorted(steps)}")
+    item = _item_in(steps[chosen])
+    assert item is not None
+    return item, chosen
+
+
+def _item_in(folder: Any) -> Any:
+    """``folder`` if it holds ``_METADATA``, else its ``default`` or only item folder, else None."""
+    if (folder / "_METADATA").exists():
+        return folder
+    if (folder / "default" / "_METADATA").exists():
+        return folder / "default"
+    items = sorted((c for c in folder.iterdir() if c.is_dir() and (c / "_METADATA").exists()), key=str)
+    if len(items) > 1:
+        raise FormatError(f"{folder} holds several Orbax items ({', '.join(c.name for c in items)}): "
+                          f"import one of them, e.g. {items[0]}")
+    return items[0] if items else None
 
 
 def _flatten_metadata(tree: Any) -> list[tuple[Any, Any]]:

@@ -36,13 +36,20 @@ from typing import Any
 import numpy as np
 from reshard.layouts import Layout, parse_strategy
 from reshard.layouts import _protowire as pw
-from reshard.layouts.errors import DTypeMismatchError, FormatError, LayoutError, ShapeMismatchError
+from reshard.layouts.errors import (
+    CheckpointNotFoundError,
+    DTypeMismatchError,
+    FormatError,
+    LayoutError,
+    ShapeMismatchError,
+)
 
 from ..format.dtypes import numpy_dtype
 from ..reader import Checkpoint, open
 from ..tree import flatten
 from ..writer import create, single_process
 from .mindspore_ckpt import SLICE_BYTES, TYPES, Header, ckpt_headers, parse_ckpt, read_ckpt, write_ckpt
+from .sources import refuse_empty
 
 #: Name prefixes of optimizer state that shares its parameter's strategy entry.
 OPTIMIZER_PREFIXES = ("moments.", "adam_m.", "adam_v.", "accum.", "mean_grad.", "mean_square.", "moment1.",
@@ -130,7 +137,7 @@ def rank_files(src: str | os.PathLike[str] | Mapping[int, Any], file_name: str |
         return {int(r): Path(p) for r, p in src.items()}
     root = Path(src)
     if not root.is_dir():
-        raise FileNotFoundError(f"MindSpore checkpoint folder {root} does not exist")
+        raise CheckpointNotFoundError(f"MindSpore checkpoint folder {root.absolute()} does not exist")
     out = {}
     for folder in sorted(root.iterdir()):
         m = re.fullmatch(r"rank_(\d+)", folder.name)
@@ -143,7 +150,8 @@ def rank_files(src: str | os.PathLike[str] | Mapping[int, Any], file_name: str |
         if found:
             out[rank] = found[0]
     if not out:
-        raise FileNotFoundError(f"no rank_N/{file_name or '*.ckpt'} files under {root}")
+        raise CheckpointNotFoundError(f"no rank_N/{file_name or '*.ckpt'} files under {root.absolute()}: "
+                                      "no tensors to import")
     return out
 
 
@@ -255,6 +263,8 @@ def import_mindspore(src_dir: str | os.PathLike[str] | Mapping[int, Any], dst_ur
         if lost:
             raise FormatError(f"{name!r}: ranks {lost} hold its blocks as replica 0 (no other copy) "
                               f"but their files do not hold it (under {src_dir})")
+    refuse_empty("MindSpore", src_dir if isinstance(src_dir, Mapping) else Path(src_dir).absolute(), len(chosen),
+                 f" ({len(files)} rank files found)")
     writer = create(dst_url, chosen, **single_process(options))
     for rank in sorted(set().union(*(lay.ranks for lay in chosen.values()), files)):
         _import_rank(writer, rank, files.get(rank), headers.get(rank, {}), chosen, dtypes, check_crc)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from reshard.layouts.errors import BadNameError
+from reshard.layouts.errors import BadNameError, CheckpointNotFoundError
 
 from ..tree import is_tensor
 
@@ -109,7 +109,7 @@ def load_npz(folder: str | Path, *, headers_only: bool = False) -> dict[str, Any
     folder = Path(folder)
     files = [folder] if folder.is_file() else sorted(folder.glob("*.npz"))
     if not files:
-        raise FileNotFoundError(f"{folder}: no .npz file (write one with reshard's save_npz)")
+        raise CheckpointNotFoundError(f"{folder.absolute()}: no .npz file (write one with reshard's save_npz)")
     flat: dict[str, Any] = {}
     for f in files:
         with np.load(f, allow_pickle=False) as data:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import threading
 import uuid
 import weakref
@@ -78,6 +79,15 @@ class Source:
 _opened: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()  # token -> open checkpoint
 _indexes: OrderedDict[str, dict[str, np.ndarray]] = OrderedDict()  # token -> index cache, in workers
 _lock = threading.Lock()
+
+
+def _renew_lock() -> None:  # a forked child gets a fresh lock (a parent thread may have held it at the fork)
+    global _lock
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_renew_lock)
 
 
 def source_of(ckpt: Checkpoint, gap: int | None = None) -> Source:

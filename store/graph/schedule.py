@@ -137,6 +137,15 @@ _budgets: OrderedDict[str, Budget] = OrderedDict()  # token -> this process's bu
 _lock = threading.Lock()
 
 
+def _renew_lock() -> None:  # a forked child gets a fresh lock (a parent thread may have held it at the fork)
+    global _lock
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_renew_lock)
+
+
 def budget(ref: BudgetRef) -> Budget:
     """This process's :class:`Budget` for ``ref`` (the limit applies per process)."""
     with _lock:

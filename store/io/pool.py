@@ -10,6 +10,12 @@ stores get 16 more, to keep requests in flight across their latency.
 Many small local jobs (5,000 tensors of a few KiB) are batched: a job costs
 tens of microseconds of Python, and handing each to a thread (a future, a
 wake-up, the GIL changing hands) costs more than the job itself.
+
+The pools are per process: a child made by ``fork`` (Linux's default start
+method up to Python 3.13) inherits the parent's pool objects but not their
+threads, so jobs submitted there would wait forever. ``os.register_at_fork``
+drops them (and renews the lock, which a parent thread may have held at the
+fork) in the child, which then makes its own on first use.
 """
 
 from __future__ import annotations
@@ -24,6 +30,17 @@ from typing import TypeVar
 T = TypeVar("T")
 _pools: dict[bool, ThreadPoolExecutor] = {}
 _lock = threading.Lock()
+
+
+def _forget_after_fork() -> None:
+    """In a forked child: the inherited pools have no threads; start afresh."""
+    global _lock
+    _pools.clear()
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def io_threads(local: bool = True) -> int:

@@ -127,10 +127,17 @@ class Storage:
         """Read the last ``nbytes`` of an object in one request."""
         if self.local:
             with open(self.path(key), "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                if size < nbytes:
+                    raise StorageError(f"{self.url}/{key}: object is {size} bytes, shorter than the {nbytes} bytes "
+                                       "expected at its end (truncated?)")
                 f.seek(-nbytes, os.SEEK_END)
                 data = f.read(nbytes)
         else:
             data = self._call(key, lambda: self.fs.cat_file(self.path(key), start=-nbytes))
+        if len(data) != nbytes:  # a remote object shorter than nbytes comes back whole
+            raise StorageError(f"{self.url}/{key}: object is {len(data)} bytes, shorter than the {nbytes} bytes "
+                               "expected at its end (truncated?)")
         self.count(requests=1, bytes_fetched=len(data))
         return bytes(data)
 

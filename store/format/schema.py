@@ -1,0 +1,330 @@
+"""Strict, typed checks of every metadata document reshard reads or writes.
+
+One place for the rules (docs/format.md lists them): the commit marker
+``.reshard/commit.json``, the per-rank manifests ``.reshard/ranks/<rank>.json``,
+a generation's root ``zarr.json`` (consolidated metadata), each array's
+``zarr.json`` (its ``attributes.reshard`` and its layout JSON), and tensor names
+before anything is written. Every failure is a :class:`FormatError` (or
+:class:`BadNameError` for names) whose message names the file (URL and key) or
+the tensor; no ``KeyError``/``TypeError``/``ValueError`` of a malformed document
+escapes.
+
+The checks are cheap per document; the consolidated metadata is checked as a
+whole at open (types, ``node_type``, the hierarchy), each array document when
+its tensor is parsed, and everything again by ``reshard verify``.
+
+This module imports no other part of ``store.format`` but :mod:`.dtypes`
+(``meta`` imports it), so any reader can use it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from reshard.layouts import Layout
+from reshard.layouts.errors import BadNameError, FormatError
+
+from .dtypes import SUPPORTED
+
+#: Longest name component (bytes) a file system takes (ext4, xfs, APFS, NTFS: 255).
+MAX_COMPONENT_BYTES = 255
+#: Key under which a manifest and the marker carry the sha256 of their own canonical JSON.
+SELF_DIGEST = "sha256"
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+# -------------------------------------------------------------------- JSON
+def loads_json(where: str, raw: bytes) -> Any:
+    """JSON from bytes; a :class:`FormatError` naming ``where`` for anything that is not JSON."""
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise FormatError(f"{where} is not valid JSON: {e}") from None
+
+
+def canonical_digest(doc: Mapping[str, Any]) -> str:
+    """sha256 of a document's canonical JSON, leaving out its own ``sha256`` field."""
+    body = {k: v for k, v in doc.items() if k != SELF_DIGEST}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def with_digest(doc: dict[str, Any]) -> bytes:
+    """The bytes of ``doc`` with its self-digest added (manifests, the marker)."""
+    return json.dumps({**doc, SELF_DIGEST: canonical_digest(doc)}).encode()
+
+
+def check_digest(doc: Mapping[str, Any], where: str, required: bool = False) -> None:
+    """Check a document's self-digest (absent: accepted unless ``required``; older writers had none)."""
+    recorded = doc.get(SELF_DIGEST)
+    if recorded is None and not required:
+        return
+    if not isinstance(recorded, str) or recorded != canonical_digest(doc):
+        raise FormatError(f"{where} fails its sha256: the document was edited or corrupted after it was written")
+
+
+# ------------------------------------------------------------------ values
+def _fail(where: str, field: str, want: str, got: Any) -> FormatError:
+    shown = repr(got)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return FormatError(f"{where}: field {field!r} must be {want}, got {shown}")
+
+
+def is_int(value: Any) -> bool:
+    """A JSON integer (not a bool)."""
+    return type(value) is int
+
+
+def get(doc: Any, field: str, where: str) -> Any:
+    """``doc[field]``, with a FormatError naming ``where`` if ``doc`` is no object or lacks it."""
+    if not isinstance(doc, dict):
+        raise FormatError(f"{where}: expected a JSON object, got {type(doc).__name__}")
+    if field not in doc:
+        raise FormatError(f"{where}: field {field!r} is missing")
+    return doc[field]
+
+
+def int_list(value: Any, where: str, field: str, *, minimum: int = 0, length: int | None = None) -> tuple[int, ...]:
+    """A list of ints ``>= minimum`` (of ``length`` items when given) as a tuple."""
+    if type(value) is not list or not all(is_int(v) and v >= minimum for v in value):
+        raise _fail(where, field, f"a list of ints >= {minimum}", value)
+    if length is not None and len(value) != length:
+        raise _fail(where, field, f"a list of {length} ints", value)
+    return tuple(value)
+
+
+def dtype_of(value: Any, where: str, field: str = "data_type") -> str:
+    """A known dtype name."""
+    if not isinstance(value, str) or value not in SUPPORTED:
+        raise _fail(where, field, f"one of {', '.join(SUPPORTED)}", value)
+    return value
+
+
+def layout_of(value: Any, where: str, shape: tuple[int, ...] | None = None) -> Layout:
+    """A layout from its JSON, checked against the array's ``shape`` when given."""
+    try:
+        layout = Layout.from_json(value)
+    except FormatError as e:
+        raise FormatError(f"{where}: {e}") from None
+    except (TypeError, ValueError, KeyError, AttributeError, OverflowError, MemoryError) as e:
+        raise FormatError(f"{where}: malformed layout ({type(e).__name__}: {e})") from None
+    if shape is not None and tuple(layout.shape) != shape:
+        raise FormatError(f"{where}: shape {list(shape)} differs from its stored layout's {list(layout.shape)}")
+    return layout
+
+
+# ------------------------------------------------------------------- names
+def check_names(names: Iterable[str], paths: Mapping[str, str], where: str) -> None:
+    """Refuse names the format cannot hold, before anything is written.
+
+    ``paths`` maps each name to its escaped zarr path. A name that is a prefix
+    of another (``a`` and ``a.b``: zarr cannot have an array that is also a
+    group) and a path component over :data:`MAX_COMPONENT_BYTES` bytes (no file
+    system stores it) are refused, naming the tensors.
+    """
+    by_path: dict[str, str] = {}
+    for name in names:
+        path = paths[name]
+        for part in path.split("/"):
+            if len(part.encode()) > MAX_COMPONENT_BYTES:
+                raise BadNameError(f"{where}: tensor {_short(name)}: the name component stored as {part[:40]!r}... is "
+                                   f"{len(part.encode())} bytes, over the {MAX_COMPONENT_BYTES}-byte limit of "
+                                   "file systems (escaping counts 3 bytes per character outside [A-Za-z0-9_-])")
+        by_path[path] = name
+    for path, name in by_path.items():
+        parts = path.split("/")
+        for i in range(1, len(parts)):
+            other = by_path.get("/".join(parts[:i]))
+            if other is not None:
+                raise BadNameError(f"{where}: tensor {other!r} is a prefix of tensor {name!r}; a checkpoint cannot "
+                                   "hold both (in zarr, an array cannot also be a group): rename one of them")
+
+
+def _short(name: str) -> str:
+    return repr(name) if len(name) <= 80 else repr(name[:60]) + f"... ({len(name)} characters)"
+
+
+def check_component(part: str, what: str, where: str) -> None:
+    """Refuse one stored name component (e.g. a save's generation) over the file-system limit."""
+    if len(part.encode()) > MAX_COMPONENT_BYTES:
+        raise BadNameError(f"{where}: {what} makes a name of {len(part.encode())} bytes, over the "
+                           f"{MAX_COMPONENT_BYTES}-byte limit of file systems")
+
+
+# ------------------------------------------------------------------ marker
+def marker_fields(doc: Any, where: str) -> dict[str, Any]:
+    """The typed fields of a commit marker (format version checked by the caller)."""
+    if not isinstance(doc, dict):
+        raise FormatError(f"{where}: the commit marker is not a JSON object")
+    check_digest(doc, where)
+    out: dict[str, Any] = {}
+    generation = doc.get("generation", "")
+    save_id = doc.get("save_id")
+    time = doc.get("time", 0.0)
+    tensors = doc.get("tensors", -1)
+    ranks = doc.get("ranks", [])
+    digest = doc.get("metadata_sha256")
+    form = doc.get("form", "directory")
+    if not isinstance(generation, str):
+        raise _fail(where, "generation", "a string", generation)
+    if (save_id is not None and not isinstance(save_id, str | int)) or isinstance(save_id, bool):
+        raise _fail(where, "save_id", "a string or null", save_id)
+    if isinstance(time, bool) or not isinstance(time, int | float):
+        raise _fail(where, "time", "a number", time)
+    if not is_int(tensors) or tensors < -1:
+        raise _fail(where, "tensors", "an int >= 0", tensors)
+    if digest is not None and (not isinstance(digest, str) or not _HEX64.fullmatch(digest)):
+        raise _fail(where, "metadata_sha256", "64 lowercase hex digits", digest)
+    if not isinstance(form, str):
+        raise _fail(where, "form", "a string", form)
+    out.update(generation=generation, save_id=None if save_id is None else str(save_id), time=float(time),
+               tensors=tensors, ranks=list(int_list(ranks, where, "ranks")), metadata_sha256=digest, form=form)
+    return out
+
+
+# ---------------------------------------------------------------- manifest
+_MANIFEST_TENSOR = {"dtype", "chunk", "shard", "checksums", "compressor", "layout"}
+
+
+def check_manifest(doc: Any, where: str) -> dict[str, Any]:
+    """A rank's manifest, typed: ``rank``, ``save_id``, ``expected_ranks``, ``tensors``, ``leaves``.
+
+    Each tensor entry's layout is parsed and its chunk and shard are checked
+    against it (same number of dims; the chunk divides the shard).
+    """
+    if not isinstance(doc, dict):
+        raise FormatError(f"{where}: a manifest must be a JSON object, got {type(doc).__name__}")
+    check_digest(doc, where)
+    rank, expected = get(doc, "rank", where), get(doc, "expected_ranks", where)
+    if not is_int(rank) or rank < 0:
+        raise _fail(where, "rank", "an int >= 0", rank)
+    int_list(expected, where, "expected_ranks")
+    save_id = doc.get("save_id")
+    if save_id is not None and not isinstance(save_id, str):
+        raise _fail(where, "save_id", "a string", save_id)
+    tensors, leaves = get(doc, "tensors", where), get(doc, "leaves", where)
+    if not isinstance(tensors, dict):
+        raise _fail(where, "tensors", "an object", tensors)
+    if not isinstance(leaves, dict):
+        raise _fail(where, "leaves", "an object", leaves)
+    for name, t in tensors.items():
+        at = f"{where}: tensor {name!r}"
+        if not isinstance(t, dict) or not {"dtype", "chunk", "checksums", "compressor", "layout"} <= set(t):
+            raise FormatError(f"{at}: entry must be an object with {sorted(_MANIFEST_TENSOR)}, got {t!r:.80}")
+        dtype_of(t["dtype"], at, "dtype")
+        layout = layout_of(t["layout"], at)
+        ndim = len(layout.shape)
+        chunk = int_list(t["chunk"], at, "chunk", minimum=1, length=ndim)
+        if t.get("shard") is not None:
+            shard = int_list(t["shard"], at, "shard", minimum=1, length=ndim)
+            if any(s % c for s, c in zip(shard, chunk, strict=True)):
+                raise FormatError(f"{at}: chunk {list(chunk)} does not divide shard {list(shard)}")
+        if not isinstance(t["checksums"], bool):
+            raise _fail(at, "checksums", "true or false", t["checksums"])
+        if t["compressor"] not in (None, "zstd"):
+            raise _fail(at, "compressor", "null or 'zstd'", t["compressor"])
+    return doc
+
+
+# -------------------------------------------------------------------- root
+def check_root(doc: Any, where: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A generation's root ``zarr.json``: its leaves and consolidated documents, typed.
+
+    Checks the root is a zarr v3 group carrying ``attributes.reshard.leaves``
+    and inline consolidated metadata; every entry is an object whose
+    ``node_type`` is ``"array"`` or ``"group"``; every array's parents are
+    groups listed there, and no array lies under another array. Array
+    documents themselves are checked when their tensor is parsed
+    (:func:`check_array`).
+    """
+    if not isinstance(doc, dict) or doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
+        raise FormatError(f"{where}: not a zarr v3 group document")
+    try:
+        leaves = doc["attributes"]["reshard"]["leaves"]
+        docs = doc["consolidated_metadata"]["metadata"]
+    except (KeyError, TypeError):
+        raise FormatError(f"{where} lacks reshard's consolidated metadata") from None
+    if not isinstance(leaves, dict) or not isinstance(docs, dict):
+        raise FormatError(f"{where}: leaves and consolidated metadata must be JSON objects")
+    kinds: dict[str, str] = {}
+    for path, node in docs.items():
+        kind = node.get("node_type") if isinstance(node, dict) else None
+        if kind not in ("array", "group") or not path or path.startswith("/") or "//" in path:
+            raise FormatError(f"{where}: consolidated entry {path!r} is not an array or group document "
+                              f"(node_type {kind!r})")
+        kinds[path] = kind
+    for path, kind in kinds.items():
+        if kind != "array" or "/" not in path:
+            continue
+        parts = path.split("/")
+        for i in range(1, len(parts)):
+            parent = "/".join(parts[:i])
+            if kinds.get(parent) != "group":
+                raise FormatError(f"{where}: array {path!r} lies under {parent!r}, which is "
+                                  f"{'an array' if parent in kinds else 'not listed as a group'}")
+    return leaves, docs
+
+
+# ------------------------------------------------------------------- array
+_SHARD_CONFIG = {"chunk_shape", "codecs", "index_codecs", "index_location"}
+_INDEX_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+
+
+def check_array(name: str, doc: Any, where: str) -> dict[str, Any]:
+    """An array ``zarr.json`` written by reshard, typed; returns its fields.
+
+    Returns ``shape``, ``dtype``, ``shard``, ``chunk``, ``checksums``,
+    ``compressor``, ``layout`` (parsed and matching the shape) and ``origin``.
+    """
+    at = f"{where}: tensor {name!r}"
+    if not isinstance(doc, dict):
+        raise FormatError(f"{at}: array document must be a JSON object")
+    if doc.get("zarr_format") != 3 or doc.get("node_type") != "array":
+        raise FormatError(f"{at}: not a zarr v3 array document (zarr_format {doc.get('zarr_format')!r}, "
+                          f"node_type {doc.get('node_type')!r})")
+    shape = int_list(get(doc, "shape", at), at, "shape")
+    dtype = dtype_of(get(doc, "data_type", at), at)
+    grid = get(doc, "chunk_grid", at)
+    if not isinstance(grid, dict) or grid.get("name") != "regular":
+        raise _fail(at, "chunk_grid", "a regular chunk grid", grid)
+    shard = int_list(get(grid, "configuration", at).get("chunk_shape") if isinstance(grid.get("configuration"), dict)
+                     else None, at, "chunk_grid.configuration.chunk_shape", minimum=1, length=len(shape))
+    encoding = doc.get("chunk_key_encoding")
+    if encoding != {"name": "default", "configuration": {"separator": "/"}}:
+        raise _fail(at, "chunk_key_encoding", "the default encoding with separator '/'", encoding)
+    codecs = get(doc, "codecs", at)
+    if type(codecs) is not list or not codecs or not all(isinstance(c, dict) for c in codecs):
+        raise _fail(at, "codecs", "a non-empty list of codec objects", codecs)
+    if shape:
+        cfg = codecs[0].get("configuration")
+        if (len(codecs) != 1 or codecs[0].get("name") != "sharding_indexed" or not isinstance(cfg, dict)
+                or set(cfg) != _SHARD_CONFIG or cfg["index_location"] != "end" or cfg["index_codecs"] != _INDEX_CODECS):
+            raise _fail(at, "codecs", "one sharding_indexed codec (index at the end, with crc32c)", codecs)
+        chunk = int_list(cfg["chunk_shape"], at, "chunk_shape", minimum=1, length=len(shape))
+        if any(s % c for s, c in zip(shard, chunk, strict=True)):
+            raise FormatError(f"{at}: chunk {list(chunk)} does not divide shard {list(shard)}")
+        inner = cfg["codecs"]
+    else:
+        chunk, inner = (), codecs
+    names = [c.get("name") for c in inner] if type(inner) is list and all(isinstance(c, dict) for c in inner) else None
+    if names not in (["bytes"], ["bytes", "crc32c"], ["bytes", "zstd"], ["bytes", "zstd", "crc32c"]) \
+            or inner[0].get("configuration") != {"endian": "little"}:
+        raise _fail(at, "inner codecs", "bytes (little endian) [+ zstd] [+ crc32c]", inner)
+    attrs = get(doc, "attributes", at)
+    rs = get(attrs, "reshard", at)
+    layout = layout_of(get(rs, "layout", at), at, shape)
+    origin = rs.get("origin")
+    if origin is not None and not isinstance(origin, dict):
+        raise _fail(at, "attributes.reshard.origin", "an object or null", origin)
+    return {"shape": shape, "dtype": dtype, "shard": shard, "chunk": chunk, "layout": layout,
+            "checksums": "crc32c" in names, "compressor": "zstd" if "zstd" in names else None, "origin": origin}
+
+
+def check_group(doc: Any, where: str) -> None:
+    """A group ``zarr.json`` (not the root): a zarr v3 group."""
+    if not isinstance(doc, dict) or doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
+        raise FormatError(f"{where}: not a zarr v3 group document")
