@@ -15,6 +15,7 @@ from .format.meta import FORMAT_VERSION
 from .garbage import gc
 from .graph import LoadResult, load_many
 from .io.storage import IOStats
+from .manager import CheckpointManager
 from .ops import redivide, save, save_pieces
 from .protocol import commit, unlock
 from .reader import Checkpoint, LazyTensor, open
@@ -29,6 +30,7 @@ __all__ = [
     "FORMAT_VERSION",
     "SUPPORTED_DTYPES",
     "Checkpoint",
+    "CheckpointManager",
     "CheckpointWriter",
     "IOStats",
     "LazyTensor",

@@ -221,7 +221,7 @@ def unlock(url: str | Storage, save_id: Any = None, *, storage_options: dict[str
 # -------------------------------------------------------------------- commit
 def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None = None,
            storage_options: dict[str, Any] | None = None, force: bool = False,
-           lock_lease: float = DEFAULT_LOCK_LEASE) -> Marker:
+           lock_lease: float = DEFAULT_LOCK_LEASE, manifests: dict[int, dict[str, Any]] | None = None) -> Marker:
     """Commit a save once every rank has written.
 
     Parameters
@@ -240,6 +240,9 @@ def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None =
         Break the commit lock even if its holder looks alive.
     lock_lease : float
         Seconds after which this commit's lock may be broken by another committer.
+    manifests : dict, optional
+        ``{rank: manifest}`` already read by the caller (a committer that
+        polled for them): they are not read again.
 
     Returns
     -------
@@ -260,7 +263,8 @@ def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None =
     gen = root.child(generation)
     take_lock(root, gen, sid, force=force, lease=lock_lease)
     try:
-        manifests = read_manifests(gen, sid, ranks)
+        if manifests is None:
+            manifests = read_manifests(gen, sid, ranks)
         metas, leaves = merge_manifests(gen.url, manifests)
         raw = write_metadata(gen, metas, leaves)
         marker = Marker(format_version=FORMAT_VERSION, generation=generation, save_id=sid, time=time.time(),

@@ -187,7 +187,8 @@ class CheckpointWriter:
 
         Its other ranks' manifests may be there too: committing would mix two attempts.
         """
-        if rank not in self._written and self.storage.exists(manifest_key(rank)):
+        # a GET, not exists(): on S3 that is a HEAD and a LIST per rank (a listing storm at scale)
+        if rank not in self._written and self.storage.read_if_exists(manifest_key(rank)) is not None:
             raise CheckpointExistsError(
                 f"{self.root.url}: rank {rank} already wrote save_id {self.save_id!r} (an earlier attempt that "
                 "was not committed?). Save under a new save_id, or remove the attempt with "

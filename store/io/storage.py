@@ -168,11 +168,23 @@ class Storage:
                 pos += b.nbytes
         self.count(requests=1, bytes_fetched=total)
 
+    def read_if_exists(self, key: str) -> bytes | None:
+        """Read a whole object, or None if it is absent: one GET, never a listing.
+
+        Only "no such key" reads as None: a missing bucket, a denied or failing
+        request raises :class:`StorageError`.
+        """
+        try:
+            return self.read(key)
+        except FileNotFoundError:
+            return None
+
     def exists(self, key: str) -> bool:
+        """Whether an object or a prefix exists (on S3 a HEAD and a LIST: decide with :meth:`read_if_exists`)."""
         return bool(self._call(key, lambda: self.fs.exists(self.path(key))))
 
     def list(self, prefix: str) -> list[str]:
-        """Keys directly under ``prefix`` (used only for diagnostics, never to decide)."""
+        """Keys directly under ``prefix``; empty if there are none (a missing bucket or a failed listing raises)."""
         try:
             names = self._call(prefix, lambda: self.fs.ls(self.path(prefix), detail=False))
         except FileNotFoundError:
@@ -273,7 +285,11 @@ class Storage:
         for attempt in range(self.retries + 1):
             try:
                 return fn()
-            except (FileNotFoundError, FileExistsError):
+            except FileNotFoundError as e:
+                if _missing_bucket(e):  # not "nothing there": the store itself is not there
+                    raise StorageError(f"{self.url}/{key}: {e}") from e
+                raise
+            except FileExistsError:
                 raise
             except _PERMANENT as e:
                 raise StorageError(f"{self.url}/{key}: {type(e).__name__}: {e}") from e
@@ -300,6 +316,13 @@ def _mtime(info: dict[str, Any]) -> float | None:
         except (TypeError, ValueError):
             continue
     return None
+
+
+def _missing_bucket(e: FileNotFoundError) -> bool:
+    """Whether a "not found" is about the bucket (S3 ``NoSuchBucket``, GCS/Azure alike), not a key."""
+    causes = [e, e.__cause__, e.__context__]
+    text = " ".join(f"{type(c).__name__} {c}" for c in causes if c is not None).lower()
+    return "nosuchbucket" in text or "bucket does not exist" in text or "containernotfound" in text
 
 
 def _read_file(path: str) -> bytes:

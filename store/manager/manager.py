@@ -1,0 +1,382 @@
+"""``CheckpointManager``: numbered steps under one root, async saves, retention, resume.
+
+Layout of a root::
+
+    root/manager.json          the index: committed steps and their metrics (committer only)
+    root/step-<N>/             one ordinary reshard checkpoint per step (rs.open reads it)
+    root/step-<N>/gen-<N>/...  its save (shards, manifests, metadata)
+
+Every rank calls ``save(step, rank, local_state)``: its tensors are copied to
+host staging buffers and a background thread writes them and the rank's
+manifest. The committer rank's process (the lowest rank of the layouts unless
+``committer=`` says otherwise) also commits each step once every rank's
+manifest is there, reading them by key (see :mod:`.committer`): no barrier,
+no listing. Only committed steps are in the index, so ``steps()`` and
+``latest_step()`` never show a step being written or abandoned.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from typing import Any
+
+import numpy as np
+from reshard.layouts.errors import CheckpointNotFoundError, UncommittedCheckpointError
+
+from ..io.storage import Storage
+from ..protocol import read_manifest
+from ..reader import Checkpoint
+from ..reader import open as open_checkpoint
+from ..tree import LayoutSpec, flatten, resolve_layout, to_json
+from ..writer import CheckpointWriter
+from .committer import Committer
+from .index import StepRecord, metrics_of, read_index, step_dir
+from .retention import Retention
+from .staging import StagingPool, _is_jax, _is_torch
+
+#: Seconds the committer waits for every rank of a step before giving the step up.
+DEFAULT_COMMIT_TIMEOUT = 600.0
+#: Background threads writing saves (each write also uses the shared I/O pool).
+SAVE_THREADS = 4
+
+
+class CheckpointManager:
+    """Numbered checkpoints of a training run under one root.
+
+    Parameters
+    ----------
+    url : str
+        The root (local path or fsspec URL); created on the first save.
+    layouts : mapping or callable
+        Saving layouts ``{name: Layout}`` (or a rule with ``shapes=``), the same
+        on every rank.
+    max_to_keep : int, optional
+        Keep the latest this many committed steps (default: all).
+    keep_every : int, optional
+        Also keep every step that is a multiple of this.
+    keep_best, best_metric, best_mode : optional
+        Also keep the ``keep_best`` steps with the lowest (``best_mode="min"``)
+        or highest ``best_metric``, as recorded by ``save(..., metrics=)``.
+    async_save : bool
+        ``save`` copies to staging buffers and returns; a background thread
+        writes (default). False: ``save`` returns once this rank's data is
+        written (the commit still happens in the committer's background).
+    max_pending : int
+        Saves per rank that may be staged at once (memory: this many copies of
+        the rank's state). A save that finds them all still being written waits.
+    rank : int or iterable of int, optional
+        The rank(s) this process saves: the committer's process cleans up at
+        startup what a crashed job left. Default: ``RANK`` from the
+        environment, else ``torch.distributed``'s rank, else JAX's process
+        index, else this process is taken to be the only one.
+    committer : int, optional
+        The rank whose process commits (default: the lowest rank of the layouts).
+    commit_timeout : float
+        Seconds the committer waits for every rank of a step before giving the
+        step up (the failure surfaces on the committer's next ``save``/``wait``
+        and on ``wait(committed=True)`` everywhere).
+    poll_max : float
+        Longest pause between two polls of a rank's manifest.
+    storage_options : dict, optional
+        fsspec options (credentials, endpoint...).
+    **options
+        As for :func:`reshard.store.create`: ``shapes``, ``compression``,
+        ``checksums``, ``chunk_bytes``, ``engine``.
+
+    Notes
+    -----
+    Construct the manager on every process before any of them saves (as at the
+    start of training): the committer's constructor removes step folders that
+    never committed, and would take a step being written for one of those.
+    """
+
+    def __init__(self, url: str, layouts: LayoutSpec, *, max_to_keep: int | None = None,
+                 keep_every: int | None = None, keep_best: int | None = None, best_metric: str | None = None,
+                 best_mode: str = "min", async_save: bool = True, max_pending: int = 1,
+                 rank: int | Iterable[int] | None = None, committer: int | None = None,
+                 commit_timeout: float = DEFAULT_COMMIT_TIMEOUT, poll_max: float = 1.0,
+                 storage_options: dict[str, Any] | None = None, **options: Any) -> None:
+        self.url = str(url).rstrip("/")
+        self.storage_options = dict(storage_options or {})
+        self.root = Storage(self.url, self.storage_options)
+        self.layouts = layouts
+        self.options = options
+        self.policy = Retention(max_to_keep, keep_every, keep_best, best_metric, best_mode)
+        self.async_save = bool(async_save)
+        self.staging = StagingPool(max_pending)
+        self.expected = _all_ranks(layouts, options.get("shapes"))
+        self.committer_rank = int(committer) if committer is not None else (self.expected[0] if self.expected else 0)
+        self._stop = threading.Event()
+        self.committer = Committer(self.root, self.policy, timeout=float(commit_timeout), poll_max=poll_max,
+                                   stop=self._stop)
+        # several writers: a process that saves many ranks (a simulation, a single-host job) writes them
+        # side by side; one rank's saves never overlap by more than max_pending
+        self._writes = ThreadPoolExecutor(SAVE_THREADS, thread_name_prefix="reshard-save")
+        self._commits = ThreadPoolExecutor(1, thread_name_prefix="reshard-commit")
+        self._lock = threading.Lock()
+        self._pending: list[Future[None]] = []
+        self._committing: dict[int, Future[StepRecord]] = {}
+        self._errors: list[BaseException] = []
+        self._last: dict[int, int] = {}
+        self._writers: dict[int, CheckpointWriter] = {}
+        self._closed = False
+        if self.committer_rank in _process_ranks(rank, self.committer_rank):
+            self.committer.reconcile()
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({self.url!r})"
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close(raise_errors=exc[0] is None)
+
+    # -------------------------------------------------------------- saving
+    def save(self, step: int, rank: int, local_state: Mapping[str, Any], *,
+             metrics: Mapping[str, float] | None = None) -> None:
+        """Save one rank's state as step ``step``; every rank of the layouts calls it with its own pieces.
+
+        Parameters
+        ----------
+        step : int
+            The training step (increasing; a step that is committed already is refused).
+        rank : int
+            The rank whose local pieces ``local_state`` holds.
+        local_state : mapping
+            Nested or dotted ``{name: local array or JSON leaf}``: numpy arrays,
+            torch tensors (CPU or CUDA), jax arrays. With ``async_save`` it may
+            be changed as soon as this returns.
+        metrics : mapping, optional
+            ``{name: number}`` recorded with the step (``keep_best``); the
+            committer rank's are recorded.
+
+        Raises
+        ------
+        Exception
+            The failure of an earlier background write or commit of this process.
+        """
+        self.raise_errors()
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed")
+        step = _step(step)
+        found = metrics_of(metrics, step)
+        tensors, leaves = flatten(local_state, self.layouts if isinstance(self.layouts, Mapping) else ())
+        leaves = json.loads(json.dumps({n: to_json(v, n) for n, v in leaves.items()}))  # a copy the caller can't touch
+        with self._lock:
+            last = self._last.get(rank)
+            if last is not None and step <= last:
+                raise ValueError(f"{self.url}: rank {rank} saved step {last} already; steps must increase "
+                                 f"(got {step})")
+            self._last[rank] = step
+        if self.async_save:
+            staged = self.staging.stage(rank, tensors, check=self.raise_errors)
+            try:
+                job = self._writes.submit(self._write, step, rank, {**staged.arrays, **leaves}, staged)
+            except BaseException:
+                staged.release()
+                raise
+        else:
+            job = Future()
+            self._write(step, rank, {**{n: _host(v) for n, v in tensors.items()}, **leaves}, None)
+            job.set_result(None)
+        with self._lock:
+            self._pending = [f for f in self._pending if not f.done() or f.exception() is not None] + [job]
+            if rank == self.committer_rank:
+                self._committing[step] = self._commits.submit(self._commit, step, job, found)
+
+    def _write(self, step: int, rank: int, state: dict[str, Any], staged: Any) -> None:
+        try:
+            if staged is not None:
+                staged.ready()
+            self._writer(step).write(rank, state)
+        finally:
+            if staged is not None:
+                staged.release()
+
+    def _writer(self, step: int) -> CheckpointWriter:
+        with self._lock:
+            if step not in self._writers:
+                for old in sorted(self._writers)[:-3]:
+                    del self._writers[old]
+                self._writers[step] = CheckpointWriter(
+                    f"{self.url}/{step_dir(step)}", self.layouts, save_id=str(step),
+                    storage_options=self.storage_options, **self.options)
+            return self._writers[step]
+
+    def _commit(self, step: int, written: Future[None], metrics: dict[str, float]) -> StepRecord:
+        try:
+            written.result()
+        except BaseException as e:
+            self.committer.record_failure(step, f"the committer's own write failed: {type(e).__name__}: {e}")
+            raise
+        return self.committer.commit_step(step, self._expected_for(step), metrics)
+
+    def _expected_for(self, step: int) -> list[int]:
+        if self.expected:
+            return self.expected
+        writer = self._writer(step)  # a rule without shapes: the committer's own manifest says
+        return [int(r) for r in read_manifest(writer.storage, self.committer_rank)["expected_ranks"]]
+
+    # ------------------------------------------------------------- waiting
+    def raise_errors(self) -> None:
+        """Raise the first failure of a background write or commit of this process (once; later ones as a note)."""
+        with self._lock:
+            futures: list[Future[Any]] = [*self._pending, *self._committing.values()]
+            for f in futures:
+                error = f.exception() if f.done() and not f.cancelled() else None
+                if error is not None:
+                    self._errors.append(error)
+            self._pending = [f for f in self._pending if not f.done()]
+            self._committing = {s: f for s, f in self._committing.items() if not f.done()}
+            if self._errors:
+                first, rest = self._errors[0], self._errors[1:]
+                self._errors = []
+                if rest:
+                    first.add_note(f"(and {len(rest)} more background failure(s) of this process: "
+                                   + "; ".join(f"{type(e).__name__}: {e}" for e in rest[:3]) + ")")
+                raise first
+
+    def wait(self, committed: bool = False, timeout: float | None = None) -> None:
+        """Block until this process's saves are written (and, with ``committed``, committed).
+
+        ``committed=True`` on any rank waits until the last step this process
+        saved is committed by the committer (polling the index: one GET each
+        time, with backoff), so that it can be read.
+
+        Raises
+        ------
+        Exception
+            A failure of a background write or commit of this process.
+        UncommittedCheckpointError
+            The committer gave the step up (a rank did not write in time).
+        TimeoutError
+            ``timeout`` seconds passed first.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            pending = list(self._pending)
+            commits = dict(self._committing)
+            step = max(self._last.values(), default=None)
+        _wait_all(pending, deadline)
+        if committed and step is not None:
+            if step in commits:
+                _wait_all([commits[step]], deadline)
+            else:
+                self._wait_index(step, deadline)
+        self.raise_errors()
+
+    def _wait_index(self, step: int, deadline: float | None) -> None:
+        delay = 0.01
+        while True:
+            index = read_index(self.root)
+            if index.numbers() and index.numbers()[-1] >= step:
+                return
+            if step in index.failed:
+                raise UncommittedCheckpointError(f"{self.url}: step {step} was not committed: {index.failed[step]}")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"{self.url}: step {step} is not committed yet")
+            time.sleep(delay if deadline is None else min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, 1.0)
+
+    def close(self, raise_errors: bool = True) -> None:
+        """Finish this process's writes and commits, then stop the background threads."""
+        if self._closed:
+            return
+        try:
+            with self._lock:
+                pending: list[Future[Any]] = [*self._pending, *self._committing.values()]
+            wait_futures(pending)
+        finally:
+            self._closed = True
+            self._writes.shutdown(wait=True)
+            self._commits.shutdown(wait=True)
+        if raise_errors:
+            self.raise_errors()
+
+    # ------------------------------------------------------------- reading
+    def steps(self) -> list[int]:
+        """The committed steps, ascending (one GET of the index; a failed read raises)."""
+        return read_index(self.root).numbers()
+
+    def latest_step(self) -> int | None:
+        """The latest committed step, or None if none is."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def metrics(self, step: int) -> dict[str, float]:
+        """The metrics recorded with a committed step."""
+        record = read_index(self.root).get(step)
+        if record is None:
+            raise CheckpointNotFoundError(f"{self.url}: step {step} is not a committed step")
+        return dict(record.metrics)
+
+    def open(self, step: int | None = None, **options: Any) -> Checkpoint:
+        """Open a committed step (default: the latest) as a lazy :class:`Checkpoint`."""
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointNotFoundError(f"{self.url}: no committed step")
+        options.setdefault("storage_options", self.storage_options)
+        return open_checkpoint(f"{self.url}/{step_dir(step)}", **options)
+
+    def load(self, layouts: LayoutSpec, rank: int, *, step: int | None = None, **options: Any) -> dict[str, Any]:
+        """One rank's pieces of a committed step (default: the latest) under target ``layouts``."""
+        return self.open(step).load(layouts, rank, **options)
+
+
+def _step(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    return int(step)
+
+
+def _all_ranks(layouts: LayoutSpec, shapes: Mapping[str, tuple[int, ...]] | None) -> list[int]:
+    if isinstance(layouts, Mapping):
+        found = [lay.ranks for lay in layouts.values()]
+    elif shapes:
+        found = [resolve_layout(layouts, n, tuple(s)).ranks for n, s in shapes.items()]
+    else:
+        return []
+    return sorted(set().union(*found)) if found else []
+
+
+def _process_ranks(rank: int | Iterable[int] | None, committer: int) -> set[int]:
+    """The ranks this process saves, as far as it can tell."""
+    if rank is not None:
+        return {int(rank)} if isinstance(rank, int | np.integer) else {int(r) for r in rank}
+    if os.environ.get("RANK", "").isdigit():
+        return {int(os.environ["RANK"])}
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return {int(dist.get_rank())}
+    jax = sys.modules.get("jax")
+    if jax is not None and jax.process_count() > 1:
+        return {committer} if jax.process_index() == 0 else set()
+    return {committer}  # no distributed job in sight: this process is the only one
+
+
+def _host(value: Any) -> Any:
+    """A value the writer can take as a numpy array (torch through its bit-exact view)."""
+    if _is_torch(value):
+        from ..frontends.torch_arrays import to_numpy
+
+        return to_numpy(value)
+    if _is_jax(value):
+        return np.asarray(value)
+    return value
+
+
+def _wait_all(futures: list[Future[Any]], deadline: float | None) -> None:
+    remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+    _, pending = wait_futures(futures, timeout=remaining)
+    if pending:
+        raise TimeoutError(f"{len(pending)} background save(s) still running")

@@ -1,0 +1,232 @@
+"""CheckpointManager in one process: steps, retention, resume, async staging, errors surfacing."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+
+import numpy as np
+import pytest
+import reshard.store as rs
+from reshard.layouts import Layout
+from reshard.store.io.storage import Storage
+from reshard.store.manager import Index, Retention, StepRecord, read_index
+from reshard.store.manager.retention import delete_steps, plan
+
+SHAPE = (8, 3)
+L = {"w": Layout.from_dtensor((4,), ["S(0)"], SHAPE), "b": Layout.from_dtensor((4,), ["R"], (3,))}
+
+
+def full(step: int) -> np.ndarray:
+    return np.arange(24, dtype=np.float32).reshape(SHAPE) + step
+
+
+def save_all(mgr: rs.CheckpointManager, step: int, **kw) -> None:
+    for r in range(4):
+        mgr.save(step, r, {"w": full(step)[2 * r : 2 * r + 2], "b": np.full(3, step, np.float32), "lr": 0.1}, **kw)
+
+
+def test_steps_are_ordinary_checkpoints_and_retention_keeps_latest_and_every(tmp_path):
+    url = str(tmp_path / "run")
+    with rs.CheckpointManager(url, L, max_to_keep=2, keep_every=10) as mgr:
+        assert mgr.steps() == [] and mgr.latest_step() is None
+        for step in (5, 10, 15, 20, 25):
+            save_all(mgr, step)
+            mgr.wait(committed=True, timeout=30)
+        assert mgr.steps() == [10, 20, 25]
+        assert mgr.latest_step() == 25
+        np.testing.assert_array_equal(mgr.open()["w"].read(), full(25))
+        np.testing.assert_array_equal(mgr.open(step=10)["w"].read(), full(10))
+        got = mgr.load({"w": Layout.from_dtensor((3,), ["S(0)"], SHAPE)}, rank=1)
+        np.testing.assert_array_equal(got["w"], full(25)[3:6])
+        assert got["lr"] == 0.1
+    assert sorted(os.listdir(url)) == ["manager.json", "step-10", "step-20", "step-25"]
+    np.testing.assert_array_equal(rs.open(f"{url}/step-20")["w"].read(), full(20))  # plain rs.open reads a step
+
+
+def test_keep_best_by_a_recorded_metric(tmp_path):
+    with rs.CheckpointManager(str(tmp_path / "run"), L, max_to_keep=1, keep_best=2, best_metric="loss") as mgr:
+        for step, loss in [(1, 0.5), (2, 0.1), (3, 0.9), (4, 0.2), (5, 0.7)]:
+            save_all(mgr, step, metrics={"loss": loss})
+            mgr.wait(committed=True, timeout=30)
+        assert mgr.steps() == [2, 4, 5]
+        assert mgr.metrics(2) == {"loss": 0.1}
+
+
+def test_retention_never_deletes_a_step_a_kept_step_references(tmp_path):
+    records = (StepRecord(1, 0.0), StepRecord(2, 0.0, refs=(1,)), StepRecord(3, 0.0, refs=(2,)), StepRecord(4, 0.0))
+    kept, doomed = plan(Index(records), Retention(max_to_keep=1))
+    assert (kept, doomed) == ([4], [1, 2, 3])
+    kept, doomed = plan(Index(records[:3]), Retention(max_to_keep=1))
+    assert (kept, doomed) == ([1, 2, 3], [])  # 3 is kept, it references 2, which references 1
+    root = Storage(str(tmp_path))
+    for s in (1, 2, 3):
+        root.write(f"step-{s}/x", b"1")
+    gone = delete_steps(root, [1, 2], Index((StepRecord(3, 0.0, refs=(1,)),)))
+    assert gone == [2] and (tmp_path / "step-1").exists() and not (tmp_path / "step-2").exists()
+
+
+def test_bad_retention_arguments():
+    with pytest.raises(ValueError, match="max_to_keep"):
+        Retention(max_to_keep=0)
+    with pytest.raises(ValueError, match="best_metric"):
+        Retention(keep_best=2)
+
+
+def test_resume_continues_numbering_and_refuses_a_committed_step(tmp_path):
+    url = str(tmp_path / "run")
+    with rs.CheckpointManager(url, L) as mgr:
+        save_all(mgr, 100)
+    mgr = rs.CheckpointManager(url, L, max_to_keep=3)
+    assert mgr.latest_step() == 100
+    with pytest.raises(rs.CheckpointExistsError, match="already holds a committed checkpoint"):
+        save_all(mgr, 100)  # again: the background write refuses, the next call raises
+        mgr.wait(committed=True, timeout=30)
+    with contextlib.suppress(rs.CheckpointExistsError):
+        mgr.wait(committed=True, timeout=30)  # the other ranks' refusals, if they came later
+    mgr.wait(timeout=30)  # each failure is raised once
+    save_all(mgr, 200)
+    mgr.close()
+    assert rs.CheckpointManager(url, L).steps() == [100, 200]
+    np.testing.assert_array_equal(mgr.open(100)["w"].read(), full(100))
+
+
+def test_steps_must_increase(tmp_path):
+    with rs.CheckpointManager(str(tmp_path / "run"), L) as mgr:
+        save_all(mgr, 3)
+        with pytest.raises(ValueError, match="steps must increase"):
+            mgr.save(2, 0, {"w": full(2)[:2], "b": np.zeros(3, np.float32)})
+
+
+def test_state_changed_right_after_save_returns_is_not_what_is_written(tmp_path):
+    with rs.CheckpointManager(str(tmp_path / "run"), L, max_pending=2) as mgr:
+        for step in (1, 2, 3):
+            pieces = [{"w": full(step)[2 * r : 2 * r + 2].copy(), "b": np.full(3, step, np.float32),
+                       "meta": {"seen": [step]}} for r in range(4)]
+            for r, piece in enumerate(pieces):
+                mgr.save(step, r, piece)
+                piece["w"][...] = -1  # the training step moves on at once
+                piece["b"] += 100
+                piece["meta"]["seen"].append(-1)
+        mgr.wait(committed=True, timeout=30)
+        for step in (1, 2, 3):
+            ckpt = mgr.open(step)
+            np.testing.assert_array_equal(ckpt["w"].read(), full(step))
+            np.testing.assert_array_equal(ckpt["b"].read(), np.full(3, step, np.float32))
+            assert ckpt.leaves["meta.seen"] == [step]
+
+
+def test_staging_buffers_are_reused_across_saves(tmp_path):
+    with rs.CheckpointManager(str(tmp_path / "run"), L) as mgr:
+        save_all(mgr, 1)
+        mgr.wait()
+        slot = mgr.staging._free[0][0]
+        first = [a.ctypes.data for a in slot.arrays]
+        save_all(mgr, 2)
+        mgr.wait()
+        assert [a.ctypes.data for a in mgr.staging._free[0][0].arrays] == first
+
+
+def test_a_background_failure_surfaces_on_the_next_call(tmp_path):
+    mgr = rs.CheckpointManager(str(tmp_path / "run"), L, commit_timeout=2)
+    mgr.save(1, 1, {"w": np.zeros((5, 3), np.float32), "b": np.zeros(3, np.float32)})  # wrong local shape
+    with pytest.raises(rs.ShapeMismatchError, match="rank 1"):
+        mgr.wait(timeout=30)
+    mgr.wait(timeout=30)  # raised once
+    mgr.close(raise_errors=False)
+
+
+def test_a_step_a_rank_never_wrote_is_invisible_and_cleaned_up(tmp_path):
+    url = str(tmp_path / "run")
+    mgr = rs.CheckpointManager(url, L, commit_timeout=3)
+    save_all(mgr, 1)
+    for r in (0, 1, 3):  # rank 2 died
+        mgr.save(2, r, {"w": full(2)[2 * r : 2 * r + 2], "b": np.zeros(3, np.float32)})
+    with pytest.raises(rs.UncommittedCheckpointError, match=r"ranks \[2\].*step 2 is abandoned"):
+        mgr.wait(committed=True, timeout=30)
+    assert mgr.steps() == [1]
+    assert "step 2" in json.loads((tmp_path / "run" / "manager.json").read_text())["failed"]["2"]
+    assert (tmp_path / "run" / "step-2").exists()
+    save_all(mgr, 3)
+    mgr.wait(committed=True, timeout=30)
+    assert mgr.steps() == [1, 3] and not (tmp_path / "run" / "step-2").exists()
+    mgr.close()
+
+
+def test_a_new_job_removes_what_a_crashed_one_left(tmp_path):
+    url = str(tmp_path / "run")
+    with rs.CheckpointManager(url, L) as mgr:
+        save_all(mgr, 1)
+    w = rs.create(f"{url}/step-2", L, save_id="2")  # a crashed job's half-written step
+    w.write(3, {"w": full(2)[6:8], "b": np.zeros(3, np.float32)})
+    with rs.CheckpointManager(url, L, rank=3) as other:  # not the committer: touches nothing
+        assert other.steps() == [1]
+    assert (tmp_path / "run" / "step-2").exists()
+    with rs.CheckpointManager(url, L, rank=0) as mgr:
+        assert not (tmp_path / "run" / "step-2").exists()
+        save_all(mgr, 2)
+        mgr.wait(committed=True, timeout=30)
+        np.testing.assert_array_equal(mgr.open()["w"].read(), full(2))
+
+
+def test_sync_save_writes_before_returning(tmp_path):
+    url = str(tmp_path / "run")
+    with rs.CheckpointManager(url, L, async_save=False) as mgr:
+        save_all(mgr, 1)
+        assert all((tmp_path / "run" / "step-1" / "gen-1" / ".reshard" / "ranks" / f"{r}.json").exists()
+                   for r in range(4))
+        mgr.wait(committed=True, timeout=30)
+        assert mgr.steps() == [1]
+
+
+def test_index_errors_raise_never_read_as_empty(tmp_path):
+    url = str(tmp_path / "run")
+    with rs.CheckpointManager(url, L) as mgr:
+        save_all(mgr, 1)
+    (tmp_path / "run" / "manager.json").write_text("{not json")
+    with pytest.raises(rs.FormatError, match=r"manager\.json"):
+        rs.CheckpointManager(url, L, rank=5).steps()
+    assert read_index(Storage(str(tmp_path / "elsewhere"))).numbers() == []
+
+
+def test_torch_tensors_are_staged_bit_exact(tmp_path):
+    torch = pytest.importorskip("torch")
+    lay = {"w": Layout.from_dtensor((2,), ["S(0)"], (4, 4))}
+    src = torch.randn(4, 4).to(torch.bfloat16)
+    with rs.CheckpointManager(str(tmp_path / "run"), lay) as mgr:
+        for r in range(2):
+            piece = src[2 * r : 2 * r + 2].clone()
+            mgr.save(1, r, {"w": piece})
+            piece.zero_()
+        mgr.wait(committed=True, timeout=30)
+        got = mgr.open()["w"].read()
+    assert got.dtype.name == "bfloat16"
+    assert torch.equal(torch.from_numpy(got.view(np.int16)).view(torch.bfloat16), src)
+
+
+def test_jax_arrays_are_staged(tmp_path):
+    jnp = pytest.importorskip("jax.numpy")
+    lay = {"w": Layout.from_dtensor((2,), ["S(0)"], (4, 2))}
+    with rs.CheckpointManager(str(tmp_path / "run"), lay) as mgr:
+        for r in range(2):
+            mgr.save(1, r, {"w": jnp.arange(4, dtype=jnp.float32).reshape(2, 2) + 10 * r})
+        mgr.wait(committed=True, timeout=30)
+        np.testing.assert_array_equal(mgr.open()["w"].read()[2:], np.arange(4).reshape(2, 2) + 10)
+
+
+def test_s3_missing_bucket_is_an_error_not_nothing_there(s3_proxy):
+    mgr = rs.CheckpointManager("s3://no-such-bucket-here/run", L, rank=7, storage_options=s3_proxy.storage_options())
+    with pytest.raises(rs.StorageError, match="bucket"):
+        mgr.steps()
+    with pytest.raises(rs.StorageError, match="bucket"):
+        Storage("s3://no-such-bucket-here/run", s3_proxy.storage_options()).list("")
+
+
+def test_s3_failed_index_read_raises(s3_proxy, s3_bucket):
+    url = f"s3://{s3_bucket}/run"
+    with rs.CheckpointManager(url, L, storage_options=s3_proxy.storage_options()) as mgr:
+        save_all(mgr, 1)
+    s3_proxy.deny("*manager.json")
+    with pytest.raises(rs.StorageError):
+        mgr.latest_step()
