@@ -47,6 +47,7 @@ def test_explore(tmp_path, monkeypatch):
     assert "VERIFIED: every byte of 39 tensors matches the original" in text
     assert "~ model.embed.weight" in text and "leaf step: 100 -> 101" in text and "exit code 1" in text
     assert "<Figure" in text and "LazyTensor 'model.layers.0.mlp.up.weight'" in text
+    assert "xarray: ('model.embed.weight.0', 'model.embed.weight.1') bfloat16 mean" in text
 
 
 def test_redivide(tmp_path, monkeypatch):

@@ -254,6 +254,7 @@ class ArrayMeta:
             "codecs": codecs,
             "attributes": attrs,
             "storage_transformers": [],
+            "dimension_names": dimension_names(self.name, len(self.shape)),
         }
 
     @classmethod
@@ -275,6 +276,15 @@ class ArrayMeta:
                               f"layout {layout.describe()}")
         return cls(name=name, shape=f["shape"], dtype=f["dtype"], shard=f["shard"], chunk=f["chunk"],
                    layout=layout, checksums=f["checksums"], compressor=f["compressor"], origin=f["origin"])
+
+
+def dimension_names(name: str, ndim: int) -> list[str]:
+    """The ``dimension_names`` of a tensor's array: ``<dotted name>.<axis>``.
+
+    Unique per tensor, so xarray opens any group of a checkpoint as a Dataset
+    without two tensors claiming one dimension with different sizes.
+    """
+    return [f"{name}.{axis}" for axis in range(ndim)]
 
 
 def group_json(attributes: dict[str, Any] | None = None) -> dict[str, Any]:
