@@ -130,7 +130,8 @@ class ReadAll(Task):
 
 
 class OpenInspect(Task):
-    """``open(url)`` and read every tensor's metadata (name, shape, dtype, layout)."""
+    """``open(url)``, its names and every tensor's shape and dtype (what DCP's metadata read gives);
+    with ``args["layouts"]`` every tensor's saving layout too (parses every array's metadata)."""
 
     def __init__(self, ctx: Ctx) -> None:
         import reshard.store as rs
@@ -139,10 +140,11 @@ class OpenInspect(Task):
 
     def run(self, rep: int) -> dict[str, Any]:
         ckpt = self.rs.open(self.ctx.args["url"])
+        layouts = bool(self.ctx.args.get("layouts"))
         seen = 0
         for name in ckpt:
             t = ckpt[name]
-            seen += len(t.shape) + len(str(t.dtype)) + len(t.layout.ranks) > 0
+            seen += len(t.shape) + len(str(t.dtype)) + (len(t.layout.ranks) if layouts else 1) > 0
         self.count = seen
         return {"tensors": seen}
 

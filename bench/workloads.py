@@ -188,7 +188,9 @@ class Runner:
         for s in ("reshard", "dcp", "orbax"):
             if s in systems:
                 self.group(name, "open + inspect metadata", s, f"bench.tasks_{s}:OpenInspect", 1,
-                           {**base, "url": urls[s]}, 0)
+                           {**base, "url": urls[s]}, 0, "names, shapes, dtypes")
+        self.group(name, "open + inspect, layouts too", "reshard", "bench.tasks_reshard:OpenInspect", 1,
+                   {**base, "url": urls["reshard"], "layouts": True}, 0, "parses every array's metadata")
         self.cat(name, "full load", urls["reshard"], size)
         for s in systems:
             task = "bench.tasks_plain:NpLoad" if s == "np" else f"bench.tasks_{s}:ReadAll"

@@ -36,6 +36,7 @@ from reshard.layouts.errors import (
     UncommittedCheckpointError,
 )
 
+from .format.consolidated import root_document
 from .format.meta import (
     COMMIT_KEY,
     FORMAT_VERSION,
@@ -284,9 +285,7 @@ def write_metadata(gen: Storage, metas: dict[str, ArrayMeta], leaves: dict[str, 
     docs.update({g: group_json() for g in groups})
     pool.run_all([functools.partial(gen.write, f"{path}/zarr.json", json.dumps(doc).encode())
                   for path, doc in docs.items()], gen.local)
-    root = group_json({"reshard": {"format_version": FORMAT_VERSION, "leaves": leaves}})
-    root["consolidated_metadata"] = {"kind": "inline", "must_understand": False, "metadata": dict(sorted(docs.items()))}
-    raw = json.dumps(root).encode()
+    raw = root_document(metas, docs, leaves)
     gen.write("zarr.json", raw)
     return raw
 

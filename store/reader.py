@@ -24,8 +24,8 @@ from reshard.layouts.errors import (
 )
 
 from .fetch import DEFAULT_GAP, Fetcher
-from .format.meta import COMMIT_KEY, META_DIR, ArrayMeta, stored_name
-from .format.schema import check_root, loads_json
+from .format.consolidated import RootMetadata
+from .format.meta import COMMIT_KEY, META_DIR, ArrayMeta
 from .io.storage import IOStats, Storage
 from .lazy import LazyTensor, Region
 from .protocol import (
@@ -333,15 +333,11 @@ def read_metadata(storage: Storage, marker: Marker) -> tuple[dict[str, ArrayMeta
     if marker.metadata_sha256 is not None and metadata_digest(raw) != marker.metadata_sha256:
         raise FormatError(f"{where} does not match the digest in its commit marker: the metadata was edited or "
                           "corrupted after the commit")
-    leaves, docs = check_root(loads_json(where, raw), where)
-    arrays = {}
-    for path, doc in docs.items():
-        if doc["node_type"] == "array":
-            name = stored_name(path, where)
-            arrays[name] = ArrayMeta.from_zarr_json(name, doc, where)
+    parsed = RootMetadata(where, raw)
+    arrays = parsed.arrays()
     if marker.format_version >= 2 and len(arrays) != marker.tensors:
         raise FormatError(f"{where} describes {len(arrays)} tensors, its commit marker {marker.tensors}")
-    return dict(sorted(arrays.items())), leaves
+    return arrays, parsed.leaves
 
 
 def _open_uncommitted(root: Storage, allow: bool, save_id: Any, engine: str, gap: int) -> Checkpoint:

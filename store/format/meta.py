@@ -10,9 +10,9 @@ import functools
 import itertools
 import math
 import re
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 import numpy as np
 from reshard.layouts import Layout
@@ -137,9 +137,53 @@ def _divisors(n: int) -> list[int]:
 
 
 # ------------------------------------------------------------------ records
+_T = TypeVar("_T")
+_UNSET: Any = object()
+
+
+class _Deferred(Generic[_T]):
+    """A field of :class:`ArrayMeta` that a record made by :meth:`ArrayMeta.deferred`
+    resolves on first access (every deferred field at once, from its ``source``).
+
+    A non-data descriptor: once the value is in the instance's ``__dict__``
+    (set by ``__init__`` or by resolving), attribute access finds it there at
+    the speed of a plain attribute and never calls :meth:`__get__` again.
+    """
+
+    def __init__(self, *default: _T) -> None:
+        self.default = default
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> _T: ...
+    @overload
+    def __get__(self, obj: ArrayMeta, owner: type | None = None) -> _T: ...
+
+    def __get__(self, obj: ArrayMeta | None, owner: type | None = None) -> _T:
+        if obj is None:  # dataclasses ask the class for the field's default
+            if self.default:
+                return self.default[0]
+            raise AttributeError(self.name)
+        found = obj.__dict__.get(self.name, _UNSET)
+        if found is _UNSET:
+            obj._resolve()
+            found = obj.__dict__[self.name]
+        return found
+
+    if TYPE_CHECKING:  # for type checkers, the field's value type; no __set__ at run time (see above)
+        def __set__(self, obj: ArrayMeta, value: _T) -> None: ...
+
+
 @dataclass(frozen=True)
 class ArrayMeta:
     """Everything needed to read one stored tensor: a plain record.
+
+    A checkpoint opened from its summary holds *deferred* records (see
+    :meth:`deferred`): name, shape and dtype are known at once, the other fields
+    are parsed from the tensor's metadata document on first access, and checked
+    then (:meth:`validate`), so opening costs nothing per tensor beyond the summary.
 
     Attributes
     ----------
@@ -155,17 +199,61 @@ class ArrayMeta:
         Whether every inner chunk ends with a crc32c.
     compressor : str or None
         ``"zstd"`` or None.
+    source : callable, optional
+        For a deferred record: returns the full record.
     """
 
     name: str
     shape: tuple[int, ...]
     dtype: str
-    shard: tuple[int, ...]
-    chunk: tuple[int, ...]
-    layout: Layout
-    checksums: bool = True
-    compressor: str | None = None
-    origin: Any = None
+    shard: _Deferred[tuple[int, ...]] = _Deferred()
+    chunk: _Deferred[tuple[int, ...]] = _Deferred()
+    layout: _Deferred[Layout] = _Deferred()
+    checksums: _Deferred[bool] = _Deferred(True)
+    compressor: _Deferred[str | None] = _Deferred(None)
+    origin: _Deferred[Any] = _Deferred(None)
+    source: Callable[[], ArrayMeta] | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def deferred(cls, name: str, shape: tuple[int, ...], dtype: str, source: Callable[[], ArrayMeta]) -> ArrayMeta:
+        """A record knowing ``name``, ``shape`` and ``dtype``; ``source()`` gives the rest on first use."""
+        obj = object.__new__(cls)
+        obj.__dict__.update(name=name, shape=shape, dtype=dtype, source=source)
+        return obj
+
+    def _resolve(self) -> None:
+        if self.source is None:
+            raise AttributeError(f"tensor {self.name!r}: incomplete array record")
+        full = self.source()
+        if (full.name, full.shape, full.dtype) != (self.name, self.shape, self.dtype):
+            raise FormatError(f"tensor {self.name!r}: its metadata says {full.dtype}{list(full.shape)}, the "
+                              f"checkpoint's summary {self.dtype}{list(self.shape)}")
+        full.validate()
+        for f in _DEFERRED:
+            self.__dict__[f] = full.__dict__[f]
+
+    @property
+    def resolved(self) -> bool:
+        """Whether every field is known (always, except for a deferred record not used yet)."""
+        return all(f in self.__dict__ for f in _DEFERRED)
+
+    def validate(self) -> None:
+        """Check the record is consistent (called once per deferred record, on first use).
+
+        Raises
+        ------
+        FormatError
+            Naming the tensor.
+        """
+        shard, chunk = self.shard, self.chunk
+        if len(shard) != len(self.shape) or len(chunk) != len(self.shape):
+            raise FormatError(f"tensor {self.name!r}: shard {list(shard)} or chunk {list(chunk)} does not match "
+                              f"the rank of shape {list(self.shape)}")
+        if any(k < 1 or s % k for s, k in zip(shard, chunk, strict=True)):
+            raise FormatError(f"tensor {self.name!r}: inner chunk {list(chunk)} does not divide shard {list(shard)}")
+        if tuple(self.layout.shape) != self.shape:
+            raise FormatError(f"tensor {self.name!r}: layout is for shape {list(self.layout.shape)}, the array "
+                              f"is {list(self.shape)}")
 
     @functools.cached_property
     def path(self) -> str:
@@ -285,6 +373,9 @@ def dimension_names(name: str, ndim: int) -> list[str]:
     without two tensors claiming one dimension with different sizes.
     """
     return [f"{name}.{axis}" for axis in range(ndim)]
+
+
+_DEFERRED = tuple(f.name for f in fields(ArrayMeta) if isinstance(ArrayMeta.__dict__.get(f.name), _Deferred))
 
 
 def group_json(attributes: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -1,0 +1,129 @@
+"""The root ``zarr.json`` of a save: consolidated metadata plus reshard's compact summary.
+
+The root document is a zarr v3 group whose ``consolidated_metadata`` holds every
+array's and group's ``zarr.json`` (zarr-python's ``open_consolidated`` reads it).
+For 5,000 tensors that is megabytes of JSON, and parsing it all is most of the
+cost of opening. So the document starts with reshard's attributes, which carry a
+compact summary of every array, ``attributes.reshard.arrays = {name: [shape,
+dtype]}``, and :func:`parse_root` decodes only that prefix: opening a
+checkpoint costs the summary, not the metadata. The full documents are parsed
+on first need (a tensor's layout, grid or codecs), once per checkpoint.
+
+The bytes are exactly what the commit wrote (the marker records their sha256),
+so the reader may rely on the key order :func:`root_document` writes; a root
+document in any other shape (an older save, a tool that rewrote it) is read
+by parsing it whole.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+from reshard.layouts.errors import FormatError
+
+from .meta import FORMAT_VERSION, ArrayMeta, group_json, stored_name, tensor_path
+from .schema import check_root, dtype_of, int_list, loads_json
+
+#: How every root document written by :func:`root_document` begins.
+_PREFIX = '{"zarr_format": 3, "node_type": "group", "attributes": '
+
+
+def root_document(metas: dict[str, ArrayMeta], docs: dict[str, dict[str, Any]], leaves: dict[str, Any]) -> bytes:
+    """The root ``zarr.json`` bytes of a save.
+
+    Parameters
+    ----------
+    metas : dict
+        The arrays, by dotted name.
+    docs : dict
+        Every array's and group's ``zarr.json`` document, by zarr path.
+    leaves : dict
+        The non-tensor leaves (JSON).
+    """
+    summary = {name: [list(m.shape), m.dtype] for name, m in sorted(metas.items())}
+    root = group_json({"reshard": {"format_version": FORMAT_VERSION, "leaves": leaves, "arrays": summary}})
+    root["consolidated_metadata"] = {"kind": "inline", "must_understand": False, "metadata": dict(sorted(docs.items()))}
+    raw = json.dumps(root).encode()
+    assert raw.decode()[: len(_PREFIX)] == _PREFIX  # what parse_root relies on
+    return raw
+
+
+class RootMetadata:
+    """A parsed root document: leaves and array summary now, full documents on demand.
+
+    Parameters
+    ----------
+    where : str
+        The document's URL (for messages).
+    raw : bytes
+        Its bytes.
+    """
+
+    def __init__(self, where: str, raw: bytes) -> None:
+        self.where = where
+        self.raw = raw
+        attrs: Any = None
+        if raw.startswith(_PREFIX.encode()):
+            try:
+                attrs, _ = json.JSONDecoder().raw_decode(raw.decode(), len(_PREFIX))
+            except (ValueError, UnicodeDecodeError, RecursionError):
+                attrs = None
+        rs = attrs.get("reshard") if isinstance(attrs, dict) else None
+        if isinstance(rs, dict) and isinstance(rs.get("arrays"), dict) and isinstance(rs.get("leaves"), dict):
+            #: The non-tensor leaves.
+            self.leaves: dict[str, Any] = rs["leaves"]
+            #: ``{name: [shape, dtype]}``, or None for a save written before the summary existed.
+            self.summary: dict[str, Any] | None = rs["arrays"]
+        else:  # no summary: the whole document, checked now
+            self.leaves, _ = self.checked
+            self.summary = None
+
+    @functools.cached_property
+    def checked(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Leaves and every node's ``zarr.json`` by zarr path: the whole document parsed and checked
+        (:func:`reshard.store.format.schema.check_root`) on first use, and its arrays matched with the summary."""
+        leaves, docs = check_root(loads_json(self.where, self.raw), self.where)
+        if self.__dict__.get("summary") is not None:
+            listed = {tensor_path(n) for n in self.summary or {}}
+            stored = {p for p, d in docs.items() if d["node_type"] == "array"}
+            if listed != stored:
+                odd = sorted(listed ^ stored)[:5]
+                raise FormatError(f"{self.where}: the summary and the consolidated metadata list different arrays "
+                                  f"(e.g. {odd})")
+        return leaves, docs
+
+    def documents(self) -> dict[str, Any]:
+        """Every node's ``zarr.json`` by zarr path (parsed and checked on first call)."""
+        return self.checked[1]
+
+    def arrays(self) -> dict[str, ArrayMeta]:
+        """Every array's record by dotted name, sorted.
+
+        With a summary the records are lazy (name, shape and dtype now; the rest
+        from the full documents on first use); without one they are built now.
+        """
+        if self.summary is None:
+            found = {}
+            for path, doc in self.documents().items():
+                if doc["node_type"] == "array":
+                    name = stored_name(path, self.where)
+                    found[name] = ArrayMeta.from_zarr_json(name, doc, self.where)
+                    found[name].validate()
+            return dict(sorted(found.items()))
+        out = {}
+        for name, entry in self.summary.items():
+            if type(entry) is not list or len(entry) != 2:
+                raise FormatError(f"{self.where}: malformed summary of tensor {name!r}: {entry!r:.80}")
+            at = f"{self.where}: summary of tensor {name!r}"
+            shape, dtype = int_list(entry[0], at, "shape"), dtype_of(entry[1], at, "dtype")
+            out[name] = ArrayMeta.deferred(name, shape, dtype, functools.partial(self.array, name))
+        return out
+
+    def array(self, name: str) -> ArrayMeta:
+        """The full record of one array, from its consolidated document."""
+        doc = self.documents().get(tensor_path(name))
+        if not isinstance(doc, dict) or doc.get("node_type") != "array":
+            raise FormatError(f"{self.where}: tensor {name!r} is in the summary but has no array metadata")
+        return ArrayMeta.from_zarr_json(name, doc, self.where)

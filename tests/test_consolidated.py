@@ -1,0 +1,96 @@
+"""Fast open: the root document's summary, deferred array records, older root documents."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import reshard.store as rs
+from reshard.layouts import Layout
+from reshard.layouts.errors import FormatError
+
+
+def _save(tmp_path: Path) -> str:
+    url = str(tmp_path / "ck")
+    state = {f"block{i}.w": np.arange(6 * (i + 1), dtype="float32").reshape(2, -1) for i in range(5)}
+    state["b"] = np.ones(7, dtype="int64")
+    rs.save(state, url)
+    return url
+
+
+def _rewrite_root(url: str, edit) -> None:  # type: ignore[no-untyped-def]
+    """Change the committed root zarr.json with ``edit(doc)`` and re-sign it in the marker."""
+    marker_path = Path(url, ".reshard", "commit.json")
+    marker = json.loads(marker_path.read_text())
+    root = Path(url, marker["generation"], "zarr.json")
+    doc = json.loads(root.read_bytes())
+    edit(doc)
+    raw = json.dumps(doc).encode()
+    root.write_bytes(raw)
+    marker["metadata_sha256"] = hashlib.sha256(raw).hexdigest()
+    marker.pop("sha256", None)  # the marker's own digest (optional)
+    marker_path.write_text(json.dumps(marker))
+
+
+def test_open_reads_two_objects_and_defers_records(tmp_path: Path) -> None:
+    url = _save(tmp_path)
+    ckpt = rs.open(url)
+    assert ckpt.stats.requests == 2  # the marker and the root zarr.json
+    assert sorted(ckpt) == ["b", *(f"block{i}.w" for i in range(5))]
+    assert ckpt["block3.w"].shape == (2, 12) and ckpt["b"].dtype == np.dtype("int64")
+    assert ckpt.nbytes == sum(6 * (i + 1) * 4 for i in range(5)) + 7 * 8
+    assert not any(m.resolved for m in ckpt.arrays.values())  # names, shapes, dtypes: from the summary
+    assert ckpt["block3.w"].layout == Layout.single((2, 12))
+    assert ckpt.arrays["block3.w"].resolved and not ckpt.arrays["block2.w"].resolved
+    np.testing.assert_array_equal(ckpt.read("block2.w"), np.arange(18, dtype="float32").reshape(2, 9))
+    assert ckpt.stats.requests == 2 + 1 + 1  # + the shard, + the replaced-check of the marker
+
+
+def test_root_document_keeps_zarr_consolidated_metadata(tmp_path: Path) -> None:
+    import zarr
+
+    url = _save(tmp_path)
+    group = zarr.open_consolidated(rs.open(url).zarr_url, mode="r")
+    np.testing.assert_array_equal(group["block1"]["w"][...], np.arange(12, dtype="float32").reshape(2, 6))
+    doc = json.loads(Path(rs.open(url).zarr_url, "zarr.json").read_bytes())
+    assert doc["attributes"]["reshard"]["arrays"]["block1.w"] == [[2, 6], "float32"]
+
+
+def test_summary_disagreeing_with_metadata_names_tensor(tmp_path: Path) -> None:
+    url = _save(tmp_path)
+    _rewrite_root(url, lambda doc: doc["attributes"]["reshard"]["arrays"]["block1.w"].__setitem__(0, [3, 6]))
+    ckpt = rs.open(url)
+    assert ckpt["block1.w"].shape == (3, 6)  # what the summary says, until the record is used
+    with pytest.raises(FormatError, match=r"block1\.w.*float32\[2, 6\].*float32\[3, 6\]"):
+        ckpt.read("block1.w")
+
+
+def test_malformed_summary_and_missing_document(tmp_path: Path) -> None:
+    url = _save(tmp_path)
+    _rewrite_root(url, lambda doc: doc["attributes"]["reshard"]["arrays"].__setitem__("b", "nonsense"))
+    with pytest.raises(FormatError, match=r"zarr\.json: malformed summary of tensor 'b'"):
+        rs.open(url)
+    url2 = _save(tmp_path / "two")
+    _rewrite_root(url2, lambda doc: doc["consolidated_metadata"]["metadata"].pop("b"))
+    ckpt = rs.open(url2)
+    with pytest.raises(FormatError, match=r"zarr\.json: the summary and the consolidated metadata list different"):
+        _ = ckpt["b"].layout
+
+
+def test_root_document_without_summary_still_opens(tmp_path: Path) -> None:
+    """A save committed before the summary existed: parsed whole, records complete at once."""
+    url = _save(tmp_path)
+    _rewrite_root(url, lambda doc: doc["attributes"]["reshard"].pop("arrays"))
+    ckpt = rs.open(url)
+    assert all(m.resolved for m in ckpt.arrays.values()) and len(ckpt) == 6
+    np.testing.assert_array_equal(ckpt.read("b"), np.ones(7, dtype="int64"))
+
+
+def test_deferred_record_equals_eager_one(tmp_path: Path) -> None:
+    url = _save(tmp_path)
+    lazy = rs.open(url).arrays["block4.w"]
+    eager = rs.open(url, allow_uncommitted=True).arrays["block4.w"]  # built from the manifests
+    assert lazy == eager and hash(lazy) == hash(eager)
