@@ -13,6 +13,7 @@ from .errors import (
     RankError,
     ReshardError,
     ShapeMismatchError,
+    UnsupportedError,
 )
 from .plan import plan
 from .records import Block, Piece, intersect
@@ -27,6 +28,7 @@ __all__ = [
     "RankError",
     "ReshardError",
     "ShapeMismatchError",
+    "UnsupportedError",
     "dump_strategy",
     "intersect",
     "parse_strategy",

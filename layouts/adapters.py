@@ -197,21 +197,58 @@ def from_oneflow(ranks: Any, sbp: Any, shape: Sequence[int]) -> Layout:
     )
 
 
+_STRIDED = re.compile(r"^_(?:s|stridedshard)\((?:dim=)?(-?\d+),(?:sf=|split_factor=)?(\d+)\)$")
+
+
+def _parse_dtensor(x: Any, ndim: int) -> tuple[int | None, int]:
+    """``(split dim or None, split_factor)`` of one DTensor placement (factor 1 unless strided)."""
+    m = _STRIDED.match(_sbp_name(x))
+    if m is None:
+        return _parse_placement(x, ndim, "DTensor"), 1
+    d, factor = int(m.group(1)), int(m.group(2))
+    d = d + ndim if d < 0 else d
+    if not 0 <= d < ndim or factor < 1:
+        raise LayoutError(f"DTensor placement {x!r} does not fit a {ndim}-d tensor")
+    return d, factor
+
+
 def from_dtensor(
     mesh_shape: int | Sequence[int],
     placements: Any,
     shape: Sequence[int],
     ranks: Sequence[int] | None = None,
 ) -> Layout:
-    """Layout of a torch DTensor: ``Shard(d)`` uses ``torch.chunk``; several nest in mesh order."""
+    """Layout of a torch DTensor: ``Shard(d)`` uses ``torch.chunk``; several nest in mesh order.
+
+    ``_StridedShard(d, split_factor=k)`` (FSDP2 over tensor parallelism,
+    written ``_S(d, k)``) splits inside the ``k`` pieces of the later axes on
+    ``d``: those axes go first in the nested order (see :mod:`._strided`).
+
+    Raises
+    ------
+    UnsupportedError
+        A strided placement whose factor matches no later axes, or an uneven
+        size where torch's strided indices are not the nested blocks.
+    """
+    from ._strided import check_torch_agrees, nested_order
+
     mesh = (int(mesh_shape),) if isinstance(mesh_shape, int) else tuple(int(v) for v in mesh_shape)
     items = _placements(placements, len(mesh), "placements")
-    split_dims = [_parse_placement(x, len(shape), "DTensor") for x in items]
+    parsed = [_parse_dtensor(x, len(shape)) for x in items]
+    dims = _dims_of([d for d, _ in parsed], len(shape))
+    if any(f > 1 for _, f in parsed):
+        names = tuple(str(x) for x in items)
+        nested = []
+        for d, axes in enumerate(dims):
+            splits = tuple((a, parsed[a][1]) for a in axes)
+            if any(f > 1 for _, f in splits):
+                order = nested_order(d, splits, mesh, names)
+                check_torch_agrees(int(shape[d]), d, splits, order, mesh, names)
+                axes = order
+            nested.append(axes)
+        dims = tuple(nested)
     origin = {"framework": "dtensor", "mesh_shape": list(mesh), "placements": [str(x) for x in items]}
-    return Layout(
-        tuple(shape), mesh, () if ranks is None else tuple(ranks), _dims_of(split_dims, len(shape)),
-        "ceil", True, None, None, origin,
-    )
+    return Layout(tuple(shape), mesh, () if ranks is None else tuple(ranks), dims, "ceil", True, None, None, origin)
 
 
 def from_jax(

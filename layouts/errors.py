@@ -17,6 +17,10 @@ class LayoutError(ReshardError, ValueError):
     """A layout that cannot exist: bad mesh, bad axis, a split that does not divide."""
 
 
+class UnsupportedError(LayoutError):
+    """A valid framework layout that reshard cannot represent exactly (e.g. some strided DTensor shards)."""
+
+
 class RankError(LayoutError):
     """A rank id that is not part of the layout's mesh."""
 

@@ -251,10 +251,18 @@ class CheckpointWriter:
         """The tensors this checkpoint will hold, as far as the writer knows them."""
         return list(self.layouts) if isinstance(self.layouts, Mapping) else list(self.shapes)
 
-    def commit(self, **options: Any) -> Marker:
-        """Make the checkpoint visible; see :func:`reshard.store.protocol.commit` (``force``, ``lock_lease``)."""
+    def commit(self, ranks: list[int] | None = None, **options: Any) -> Marker:
+        """Make the checkpoint visible; see :func:`reshard.store.protocol.commit` (``force``, ``lock_lease``).
+
+        ``ranks``: every rank that wrote (default: the ranks of the layouts this
+        writer knows). Pass them when ranks saved different tensors, or a rank
+        whose tensors this writer never saw would be left out of the commit.
+        """
         names = self.names()
-        ranks = sorted(set().union(*(self.layout(n).ranks for n in names))) if names else None
+        if ranks is None and names:
+            ranks = sorted(set().union(*(self.layout(n).ranks for n in names)))
+        elif ranks is not None and names:
+            ranks = sorted(set(ranks).union(*(self.layout(n).ranks for n in names)))
         return commit(self.root, save_id=self.save_id, ranks=ranks, **options)
 
 
