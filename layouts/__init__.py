@@ -3,7 +3,7 @@
 No I/O and no framework imports. The public names::
 
     from reshard.layouts import Layout, Block, Piece, plan, intersect
-    from reshard.layouts import parse_strategy, dump_strategy
+    from reshard.layouts import parse_strategy, dump_strategy, strategy_layouts
 """
 
 from .core import Layout
@@ -17,9 +17,10 @@ from .errors import (
 )
 from .plan import plan
 from .records import Block, Piece, intersect
-from .strategy import dump_strategy, parse_strategy
+from .strategy import OPTIMIZER_PREFIXES, dump_strategy, layout_for, parse_strategy, strategy_layouts
 
 __all__ = [
+    "OPTIMIZER_PREFIXES",
     "Block",
     "FormatError",
     "Layout",
@@ -31,6 +32,8 @@ __all__ = [
     "UnsupportedError",
     "dump_strategy",
     "intersect",
+    "layout_for",
     "parse_strategy",
     "plan",
+    "strategy_layouts",
 ]

@@ -25,7 +25,12 @@ from typing import Any
 
 from . import _protowire as pw
 from .core import Layout
-from .errors import FormatError, LayoutError
+from .errors import FormatError, LayoutError, ShapeMismatchError
+
+#: Name prefixes of optimizer state that shares its parameter's strategy entry
+#: (MindSpore gives ``moments.X``, ``adam_m.X``, ``adam_v.X``... the layout of ``X``).
+OPTIMIZER_PREFIXES = ("moments.", "adam_m.", "adam_v.", "accum.", "mean_grad.", "mean_square.", "moment1.",
+                      "moment2.", "exp_avg.", "exp_avg_sq.")
 
 _STAGED = re.compile(r"^(\d+)-(.+)$")
 
@@ -155,6 +160,60 @@ def parse_strategy(
     if not isinstance(obj, Mapping):
         raise FormatError(f"strategy JSON must be an object, got {type(obj).__name__}")
     return _parse_json(obj, shapes)
+
+
+def layout_for(name: str, layouts: Mapping[str, Layout],
+               prefixes: Sequence[str] = OPTIMIZER_PREFIXES) -> Layout | None:
+    """The strategy layout of a tensor: its own entry, else its parameter's (``adam_m.X`` -> ``X``).
+
+    MindSpore lays an optimizer's state out like the parameter it belongs to,
+    optimizer sharding included; a strategy file names only the parameters.
+    """
+    if name in layouts:
+        return layouts[name]
+    for prefix in prefixes:
+        if name.startswith(prefix) and name[len(prefix):] in layouts:
+            return layouts[name[len(prefix):]]
+    return None
+
+
+def strategy_layouts(layouts: Mapping[str, Layout], shapes: Mapping[str, Sequence[int]],
+                     prefixes: Sequence[str] = OPTIMIZER_PREFIXES) -> dict[str, Layout]:
+    """The layouts a strategy gives the tensors of a checkpoint, optimizer state included.
+
+    Parameters
+    ----------
+    layouts : mapping of str to Layout
+        The strategy's layouts by parameter name (:func:`parse_strategy`).
+    shapes : mapping of str to tuple of int
+        Every tensor of the checkpoint by name, with its global shape.
+    prefixes : sequence of str
+        Optimizer-state name prefixes (see :func:`layout_for`).
+
+    Returns
+    -------
+    dict of str to Layout
+        The strategy's own entries (also those naming no tensor of ``shapes``)
+        plus one entry per tensor of ``shapes`` that takes its parameter's
+        layout (``adam_m.X`` -> ``X``'s). Tensors the strategy does not cover
+        are left out.
+
+    Raises
+    ------
+    ShapeMismatchError
+        A tensor whose shape is not the one its layout is for.
+    """
+    out = dict(layouts)
+    for name, shape in shapes.items():
+        layout = layout_for(name, layouts, prefixes)
+        if layout is None:
+            continue
+        if tuple(layout.shape) != tuple(shape):
+            whose = "its" if name in layouts else "its parameter's"
+            raise ShapeMismatchError(f"{name!r}: {whose} strategy entry is for shape {list(layout.shape)}, "
+                                     f"the tensor is {list(shape)}")
+        out[name] = layout
+    return out
 
 
 def to_mindspore(layout: Layout) -> tuple[list[int], list[Any], int]:

@@ -448,3 +448,49 @@ def test_split_values_through_import_and_export(tmp_path: Path) -> None:
     assert len(msg.value) == 3 and list(msg.value[2].tensor.dims) == [12, 4]
     np.testing.assert_array_equal(pb_read(tmp_path / "split.ckpt")["w"], w)
     np.testing.assert_array_equal(pb_read(path)["w"], w)
+
+
+# ----------------------------------------------------------- optimizer state follows its parameter
+def test_redivide_with_a_strategy_file_moves_the_moments_too(tmp_path: Path) -> None:
+    """Issue 14 item 6: a strategy names parameters; adam_m.X / adam_v.X take X's layout (64 -> 56)."""
+    from reshard.store.cli import main
+
+    rng = np.random.default_rng(6)
+    full = {"w": rng.standard_normal((56, 64)).astype(np.float32),
+            "adam_m.w": rng.standard_normal((56, 64)).astype(np.float32),
+            "adam_v.w": rng.standard_normal((56, 64)).astype(np.float32),
+            "b": rng.standard_normal(448).astype(np.float32),
+            "adam_m.b": rng.standard_normal(448).astype(np.float32),
+            "step": np.array(3, np.int32)}
+    src = {"w": Layout.from_mindspore([8, 8], [1, 0], [56, 64]),
+           "b": Layout.from_mindspore([8, 8], [0], [448], opt_shard_size=-1)}
+    layouts = {n: src.get(n.split(".", 1)[-1], Layout.single(v.shape)) for n, v in full.items()}
+    rs.save(full, str(tmp_path / "ck64"), layouts)
+    dst = {"w": Layout.from_mindspore([7, 8], [1, 0], [56, 64]),
+           "b": Layout.from_mindspore([7, 8], [0], [448], opt_shard_size=-1)}
+    for form in ("json", "protobuf"):
+        spec = tmp_path / f"s56.{form}"
+        spec.write_bytes(dump_strategy(dst, form))
+        out = str(tmp_path / f"ck56-{form}")
+        assert main(["redivide", str(tmp_path / "ck64"), out, "--layout", str(spec)]) == 0
+        got = rs.open(out)
+        for name in ("w", "adam_m.w", "adam_v.w"):
+            assert got[name].layout == dst["w"], name
+        assert got["adam_m.b"].layout == dst["b"] and got["adam_m.b"].layout.opt_sharded
+        assert got["step"].layout == Layout.single(())
+        for name, value in full.items():
+            np.testing.assert_array_equal(got[name].read(), value)
+    # export mindspore maps them the same way (the same helper)
+    files = ms.export_mindspore(str(tmp_path / "ck64"), tmp_path / "ms56", dst)
+    np.testing.assert_array_equal(ms.read_ckpt(files[9])["adam_v.w"], full["adam_v.w"][dst["w"].region(9)])
+
+
+def test_strategy_layouts_is_pure_and_checks_shapes() -> None:
+    from reshard.layouts import ShapeMismatchError, strategy_layouts
+
+    w = Layout.from_mindspore([2, 2], [1, 0], [4, 4])
+    got = strategy_layouts({"w": w}, {"w": (4, 4), "moments.w": (4, 4), "exp_avg_sq.w": (4, 4), "v": (3,),
+                                      "adam_m.v": (3,)})
+    assert got == {"w": w, "moments.w": w, "exp_avg_sq.w": w}
+    with pytest.raises(ShapeMismatchError, match="adam_m.w"):
+        strategy_layouts({"w": w}, {"adam_m.w": (2, 4)})

@@ -42,19 +42,24 @@ def short_layouts(arrays: dict[str, ArrayMeta], tp: int, dp: int = 1, opt_shard:
 
 
 def load_layout_spec(path: str, arrays: dict[str, ArrayMeta]) -> dict[str, Any]:
-    """Layouts from a MindSpore strategy file (protobuf or JSON) or a ``{name: Layout.to_json()}`` file."""
-    from reshard.layouts import Layout, parse_strategy
+    """Layouts from a MindSpore strategy file (protobuf or JSON) or a ``{name: Layout.to_json()}`` file.
+
+    A strategy file names parameters only; their optimizer state (``adam_m.X``,
+    ``moments.X``...) takes the parameter's layout, as in MindSpore
+    (:func:`reshard.layouts.strategy_layouts`).
+    """
+    from reshard.layouts import Layout, parse_strategy, strategy_layouts
 
     raw = Path(path).read_bytes()
     shapes = {n: list(m.shape) for n, m in arrays.items()}  # lists: parse_strategy drops tuple shapes
     try:
         obj = json.loads(raw)
     except ValueError:
-        return parse_strategy(raw, shapes)  # protobuf
+        return strategy_layouts(parse_strategy(raw, shapes), shapes)  # protobuf
     if not isinstance(obj, dict):
         raise ValueError(f"{path}: a layout file must hold a JSON object")
     if "parallel_layout_item" in obj or any(isinstance(v, dict) and "dev_matrix" in v for v in obj.values()):
-        return parse_strategy(obj, shapes)
+        return strategy_layouts(parse_strategy(obj, shapes), shapes)
     return {name: Layout.from_json(doc) for name, doc in obj.items()}
 
 

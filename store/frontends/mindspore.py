@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from reshard.layouts import Layout, parse_strategy
+from reshard.layouts import OPTIMIZER_PREFIXES, Layout, layout_for, parse_strategy, strategy_layouts
 from reshard.layouts import _protowire as pw
 from reshard.layouts.errors import (
     CheckpointNotFoundError,
@@ -50,11 +50,6 @@ from ..tree import flatten
 from ..writer import create, single_process
 from .mindspore_ckpt import SLICE_BYTES, TYPES, Header, ckpt_headers, parse_ckpt, read_ckpt, write_ckpt
 from .sources import refuse_empty
-
-#: Name prefixes of optimizer state that shares its parameter's strategy entry.
-OPTIMIZER_PREFIXES = ("moments.", "adam_m.", "adam_v.", "accum.", "mean_grad.", "mean_square.", "moment1.",
-                      "moment2.", "exp_avg.", "exp_avg_sq.")
-
 
 # ------------------------------------------------------------ strategies
 StrategyLike = str | os.PathLike[str] | bytes | Mapping[str, Any] | None
@@ -109,16 +104,6 @@ def _infer_shapes(data: bytes, headers: Mapping[int, Mapping[str, Header]]) -> d
             shape[0] *= opt
         shapes[key] = shape
     return shapes
-
-
-def layout_for(name: str, layouts: Mapping[str, Layout], prefixes: Sequence[str] = OPTIMIZER_PREFIXES) -> Layout | None:
-    """The strategy layout of a tensor: its own entry, else its parameter's (``moments.X`` -> ``X``)."""
-    if name in layouts:
-        return layouts[name]
-    for prefix in prefixes:
-        if name.startswith(prefix) and name[len(prefix):] in layouts:
-            return layouts[name[len(prefix):]]
-    return None
 
 
 # ------------------------------------------------------------ rank files
@@ -339,12 +324,9 @@ def export_mindspore(src_url: str | Checkpoint, dst_dir: str | os.PathLike[str],
     given.update({n: m.shape for n, m in ckpt.arrays.items() if n not in given})
     strat = load_strategy(strategy, given)
     all_ranks = sorted(set().union(*(lay.ranks for lay in strat.values()))) if strat else [0]
-    targets = {}
-    for name, meta in ckpt.arrays.items():
-        lay = layout_for(name, strat, prefixes)
-        if lay is not None and tuple(lay.shape) != meta.shape:
-            raise ShapeMismatchError(f"{name!r}: strategy shape {list(lay.shape)}, checkpoint holds {list(meta.shape)}")
-        targets[name] = lay if lay is not None else Layout(meta.shape, (len(all_ranks),), tuple(all_ranks))
+    mapped = strategy_layouts(strat, {n: m.shape for n, m in ckpt.arrays.items()}, prefixes)
+    targets = {name: mapped.get(name) or Layout(meta.shape, (len(all_ranks),), tuple(all_ranks))
+               for name, meta in ckpt.arrays.items()}
     leaves = {n: _leaf(v) for n, v in ckpt.leaves.items()}
     written = {}
     for rank in sorted(ranks) if ranks is not None else all_ranks:
