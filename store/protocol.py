@@ -343,8 +343,14 @@ def describe_missing(url: str, missing: list[int], manifests: dict[int, dict[str
             + (f"; tensors without their data: {shown}" if names else ""))
 
 
-def merge_manifests(url: str, manifests: dict[int, dict[str, Any]]) -> tuple[dict[str, ArrayMeta], dict[str, Any]]:
-    """Check that the ranks agree and build each tensor's array record."""
+def merge_manifests(url: str, manifests: dict[int, dict[str, Any]], *,
+                    conflicts: list[str] | None = None) -> tuple[dict[str, ArrayMeta], dict[str, Any]]:
+    """Check that the ranks agree and build each tensor's array record.
+
+    With a ``conflicts`` list, disagreements between ranks are described there
+    (the lowest rank's record is kept) instead of raised: forensics on a save
+    that could not commit.
+    """
     metas: dict[str, ArrayMeta] = {}
     seen: dict[str, tuple[int, dict[str, Any]]] = {}
     leaves: dict[str, Any] = {}
@@ -355,10 +361,15 @@ def merge_manifests(url: str, manifests: dict[int, dict[str, Any]]) -> tuple[dic
             if name in seen:
                 other, t0 = seen[name]
                 if t0["dtype"] != t["dtype"]:
-                    raise DTypeMismatchError(
-                        f"{url}: tensor {name!r} is {t0['dtype']} on rank {other} but {t['dtype']} on rank {rank}")
-                if t0 != t:
-                    raise FormatError(f"{url}: ranks {other} and {rank} disagree on the layout of {name!r}")
+                    text = f"tensor {name!r} is {t0['dtype']} on rank {other} but {t['dtype']} on rank {rank}"
+                    if conflicts is None:
+                        raise DTypeMismatchError(f"{url}: {text}")
+                    conflicts.append(text)
+                elif t0 != t:
+                    text = f"ranks {other} and {rank} disagree on the layout of {name!r}"
+                    if conflicts is None:
+                        raise FormatError(f"{url}: {text}")
+                    conflicts.append(text)
                 continue
             seen[name] = (rank, t)
             layout = Layout.from_json(t["layout"])

@@ -19,6 +19,7 @@ from reshard.layouts.errors import (
     CheckpointReplacedError,
     FormatError,
     ShapeMismatchError,
+    StorageError,
     TensorNotFoundError,
     UncommittedCheckpointError,
 )
@@ -39,7 +40,7 @@ from .protocol import (
     read_manifests,
     read_marker,
 )
-from .tree import LayoutSpec, flatten, resolve_layout, unflatten
+from .tree import LayoutSpec, flatten, resolve_layout, suggest, unflatten
 
 if TYPE_CHECKING:
     from .graph import LoadResult
@@ -65,20 +66,43 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
         #: The save_id of the save this view reads (None for format version 1).
         self.save_id: str | None = None
         self.check_replaced = True
+        #: What the ranks' manifests disagree on (an uncommitted save opened for forensics).
+        self.conflicts: list[str] = []
         #: The one I/O path of every read (shard indexes are cached there).
         self.fetcher = Fetcher(storage, engine, gap)
 
     # ----------------------------------------------------------- mapping
-    def __getitem__(self, name: str) -> LazyTensor:
-        try:
-            return LazyTensor(self, self.arrays[name])
-        except KeyError:
-            close = [k for k in self.arrays if k.endswith(name.rsplit(".", 1)[-1])][:5]
-            hint = f"; similar: {close}" if close else ""
-            raise TensorNotFoundError(f"{self.url}: no tensor named {name!r}{hint}") from None
+    def __getitem__(self, name: str) -> Any:
+        """A tensor's lazy view; also a leaf's value (``ck["step"]``) or a sub-tree (``ck["model"]``).
+
+        Iteration, ``len`` and ``in`` cover the tensors only (the mapping's keys).
+
+        Raises
+        ------
+        TensorNotFoundError
+            No tensor, leaf or group has that name (close matches are suggested).
+        """
+        meta = self.arrays.get(name)
+        if meta is not None:
+            return LazyTensor(self, meta)
+        if name in self.leaves:
+            return self.leaves[name]
+        from .subtree import SubTree
+
+        tree = SubTree(self, name)
+        if tree.names or tree.leaf_names:
+            return tree
+        raise TensorNotFoundError(f"{self.url}: no tensor named {name!r}{suggest(name, self.names())}")
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.arrays
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.arrays)
+
+    def names(self) -> list[str]:
+        """Every tensor and leaf name (dotted)."""
+        return [*self.arrays, *self.leaves]
 
     def __len__(self) -> int:
         return len(self.arrays)
@@ -311,7 +335,12 @@ def open(url: str, *, allow_uncommitted: bool = False, storage_options: dict[str
     if engine not in ("fast", "tensorstore", "zarr"):
         raise ValueError(f"engine must be 'fast', 'tensorstore' or 'zarr', got {engine!r}")
     root = Storage(url, storage_options, retries=retries)
-    found = read_marker(root)
+    try:
+        found = read_marker(root)
+    except StorageError as e:
+        if isinstance(e.__cause__, NotADirectoryError):
+            raise CheckpointNotFoundError(_file_not_checkpoint(url)) from None
+        raise
     if found is None or allow_uncommitted:
         return _open_uncommitted(root, allow_uncommitted, save_id, engine, gap)
     marker, raw_marker = found
@@ -321,6 +350,12 @@ def open(url: str, *, allow_uncommitted: bool = False, storage_options: dict[str
     ckpt.check_replaced = check_current
     ckpt.save_id = marker.save_id
     return ckpt
+
+
+def _file_not_checkpoint(url: str) -> str:
+    hint = ("; 'reshard import safetensors FILE DST' converts it"
+            if str(url).endswith((".safetensors", ".json")) else "")
+    return f"{url} is a file, not a checkpoint (a reshard checkpoint is a folder or URL prefix){hint}"
 
 
 def read_metadata(storage: Storage, marker: Marker) -> tuple[dict[str, ArrayMeta], dict[str, Any]]:
@@ -369,18 +404,21 @@ def _open_uncommitted(root: Storage, allow: bool, save_id: Any, engine: str, gap
         raise UncommittedCheckpointError(
             f"{root.url}: every rank has written but the checkpoint was never committed "
             "(call commit(), or open with allow_uncommitted=True)")
-    arrays, leaves = _from_manifests(gen)
-    return Checkpoint(gen, arrays, leaves, committed=False, engine=engine, gap=gap, root=root)
+    conflicts: list[str] = []
+    arrays, leaves = _from_manifests(gen, conflicts)
+    ckpt = Checkpoint(gen, arrays, leaves, committed=False, engine=engine, gap=gap, root=root)
+    ckpt.conflicts = conflicts
+    return ckpt
 
 
-def _from_manifests(storage: Storage) -> tuple[dict[str, ArrayMeta], dict[str, Any]]:
-    """Whatever the ranks that did write have described (missing ranks are skipped)."""
+def _from_manifests(storage: Storage, conflicts: list[str]) -> tuple[dict[str, ArrayMeta], dict[str, Any]]:
+    """Whatever the ranks that did write have described (missing ranks are skipped, disagreements listed)."""
     try:
-        return merge_manifests(storage.url, read_manifests(storage))
+        manifests = read_manifests(storage)
     except UncommittedCheckpointError:
         present = [int(n.split(".")[0]) for n in storage.list(f"{META_DIR}/ranks") if n.endswith(".json")]
         manifests = {r: read_manifest(storage, r) for r in present}
-        return merge_manifests(storage.url, manifests)
+    return merge_manifests(storage.url, manifests, conflicts=conflicts)
 
 
 def _human(n: float) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -125,3 +125,15 @@ def resolve_layout(layouts: LayoutSpec, name: str, shape: tuple[int, ...] | None
 
 def nbytes(shape: tuple[int, ...], dtype: Any) -> int:
     return math.prod(shape) * np.dtype(dtype).itemsize
+
+
+def suggest(name: str, known: Iterable[str]) -> str:
+    """``"; did you mean 'x' or 'y'?"`` for the close matches of a mistyped name, else ``""``."""
+    import difflib
+
+    known = list(known)
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    if not close:  # the same last component elsewhere in the tree (``layers.0.w`` for ``0.w``)
+        last = name.rsplit(".", 1)[-1]
+        close = [k for k in known if k.rsplit(".", 1)[-1] == last][:3]
+    return f"; did you mean {' or '.join(map(repr, close))}?" if close else ""

@@ -14,7 +14,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from .. import __version__
 from .commands import (
@@ -42,7 +42,7 @@ from .write import (
 )
 
 __all__ = [
-    "build_parser", "main", "register_import",
+    "Parser", "build_parser", "main", "register_import",
     # the commands and their helpers, importable from here as before the split
     "OPT_WORDS", "SLAB_BYTES", "cmd_demo", "cmd_diff", "cmd_export", "cmd_inspect", "cmd_redivide", "cmd_show",
     "cmd_verify", "compare", "load_layout_spec", "parse_region", "short_layouts", "slabs", "storage_options",
@@ -81,19 +81,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose "invalid choice" errors suggest the close matches (``inspekt`` -> ``inspect``)."""
+
+    def error(self, message: str) -> NoReturn:
+        import difflib
+        import re
+
+        m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if m:
+            choices = re.findall(r"'([^']*)'", m.group(2)) or [c.strip() for c in m.group(2).split(",")]
+            close = difflib.get_close_matches(m.group(1), choices, n=3, cutoff=0.5)
+            if close:
+                message += f"; did you mean {' or '.join(map(repr, close))}?"
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="reshard", description="Distributed-training checkpoints as zarr v3 arrays: look inside, compare, "
         "verify, redivide, export. 'reshard COMMAND --help' describes each command; docs/cli.md has examples.")
     parser.add_argument("--version", action="version", version=f"reshard {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
-    common = argparse.ArgumentParser(add_help=False)
+    common = Parser(add_help=False)
     common.add_argument("-S", "--storage-option", action="append", default=[], metavar="KEY=VALUE",
                         help="fsspec storage option (repeatable; VALUE parsed as JSON when it is; "
                              "dotted keys nest, e.g. client_kwargs.region_name=eu-west-1)")
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    out = argparse.ArgumentParser(add_help=False)
+    out = Parser(add_help=False)
     out.add_argument("--json", action="store_true", help="print JSON instead of text")
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
 

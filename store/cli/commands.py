@@ -124,7 +124,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         raise UncommittedCheckpointError(f"{e} ('reshard inspect --uncommitted' shows what was written)") from None
     names = sorted((n for n in ckpt.arrays if _match(n, args.pattern)), key=_natural)
     if args.pattern and not names:
-        raise TensorNotFoundError(f"{ckpt.url}: no tensor matches {args.pattern!r}")
+        from ..tree import suggest
+
+        hint = suggest(args.pattern, ckpt.names())
+        raise TensorNotFoundError(f"{ckpt.url}: no tensor matches {args.pattern!r}{hint}")
     metas = [ckpt.arrays[n] for n in names]
     ranks = sorted(set().union(*(m.layout.ranks for m in ckpt.arrays.values()))) if ckpt.arrays else []
     info = {n: {"dtype": m.dtype, "shape": list(m.shape), "layout": m.layout.describe(), "nbytes": m.nbytes,
@@ -150,10 +153,39 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for r in (head, *rows):
         print("  ".join(c.rjust(w) if i >= 4 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
               .rstrip())
-    leaves = ", ".join(f"{k}={json.dumps(v)}" for k, v in ckpt.leaves.items())
+    leaves = ", ".join(f"{k}={summarize_leaf(v)}" for k, v in ckpt.leaves.items())
     print(f"total: {totals['tensors']} tensors, {human_bytes(totals['nbytes'])}, {totals['shards']} shards"
           + (f"; leaves: {leaves}" if leaves else ""))
+    for text in ckpt.conflicts:
+        print(f"conflict: {text} (commit would refuse this save)")
     return 0
+
+
+#: Leaves whose JSON is longer than this are summarized in ``inspect``'s footer.
+LEAF_CHARS = 40
+
+
+def summarize_leaf(value: Any, width: int = LEAF_CHARS) -> str:
+    """A leaf's value as JSON, or a short summary of a long one (``param_groups``: groups and their keys).
+
+    ``reshard show URL NAME`` and ``inspect --json`` print the whole value.
+    """
+    text = json.dumps(value)
+    if len(text) <= width:
+        return text
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        keys = list(dict.fromkeys(k for group in value for k in group))
+        same = {k: value[0][k] for k in keys if all(k in g and g[k] == value[0][k] for g in value)}
+        shown = [f"{k}={json.dumps(v)}" for k, v in same.items() if len(json.dumps(v)) <= 16 and k != "params"]
+        shown += [k for k in keys if k not in same]
+        word = "group" if len(value) == 1 else "groups"
+        return f"[{len(value)} {word}: {', '.join(shown[:6])}{', ...' if len(shown) > 6 else ''}]"
+    if isinstance(value, list):
+        return f"[{len(value)} items]"
+    if isinstance(value, dict):
+        names = list(value)
+        return "{" + f"{len(names)} keys: {', '.join(names[:5])}{', ...' if len(names) > 5 else ''}" + "}"
+    return text[: width - 3] + "..."
 
 
 def _nested(names: list[str]) -> dict[str, Any]:
@@ -209,6 +241,12 @@ def cmd_show(args: argparse.Namespace) -> int:
         emit(args, {"leaf": args.tensor, "value": value}, f"{args.tensor} = {json.dumps(value)}")
         return 0
     t = ckpt[args.tensor]
+    if not hasattr(t, "meta"):  # a group: ck["model"] is a sub-tree
+        from reshard.layouts.errors import TensorNotFoundError
+
+        raise TensorNotFoundError(f"{ckpt.url}: {args.tensor!r} is a group of {len(t)} tensors, e.g. "
+                                  f"'{args.tensor}.{next(iter(t), '')}'; 'reshard inspect URL {args.tensor}' "
+                                  "lists them")
     note = ""
     if args.region is not None:
         try:

@@ -29,7 +29,7 @@ def register_import(subparsers: Any, common: argparse.ArgumentParser) -> None:
         p.add_argument("src", help="the framework's checkpoint (folder or URL)")
         p.add_argument("dst", help="URL of the reshard checkpoint to write")
         p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
-        p.set_defaults(func=func)
+        p.set_defaults(func=_flags(func))
         return p
 
     add("dcp", _dcp, "torch.distributed.checkpoint folder (.metadata + *.distcp)")
@@ -51,7 +51,26 @@ def register_import(subparsers: Any, common: argparse.ArgumentParser) -> None:
                    help="SBP of the tensors whose dotted name matches the glob NAME (repeatable, the first match "
                         "wins), e.g. --sbp-for System-Train-TrainStep=B")
     p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
-    p.set_defaults(func=_oneflow, parser=p)
+    p.set_defaults(func=_flags(_oneflow), parser=p)
+
+
+def _flags(func: Any) -> Any:
+    """Run an import command; errors that name a keyword argument name the command-line flag instead."""
+    import functools
+
+    @functools.wraps(func)
+    def run(args: argparse.Namespace) -> int:
+        from reshard.layouts.errors import CheckpointExistsError
+
+        try:
+            return int(func(args))
+        except CheckpointExistsError as e:
+            if args.overwrite or "overwrite=True" not in str(e):
+                raise
+            raise CheckpointExistsError(f"{args.dst} already holds a committed checkpoint (--overwrite replaces it)"
+                                        ) from None
+
+    return run
 
 
 
