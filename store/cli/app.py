@@ -152,13 +152,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compression", choices=["zstd"], help="compress the new chunks")
     p = add("export", cmd_export, "stream every tensor into one file (safetensors, npz, torch), "
             "or into MindSpore per-rank files", json_out=False)
-    p.usage = "%(prog)s [-h] [-S KEY=VALUE] [--format F] [--strategy FILE] [--prefix P] [FORMAT] SRC FILE"
+    p.usage = ("%(prog)s [-h] [-S KEY=VALUE] [--format F] [--strategy FILE] [--max-shard-size SIZE] [--prefix P] "
+               "[FORMAT] SRC FILE")
     p.add_argument("paths", nargs="+", metavar="[FORMAT] SRC FILE",
                    help="FORMAT, if given, is --format (reshard export mindspore SRC DIR --strategy FILE); "
                         "FILE is the output file (a folder for mindspore)")
     p.add_argument("--format", choices=EXPORT_FORMATS,
                    help="default from FILE's extension: .npz, .pt/.pth (torch), else safetensors")
     p.add_argument("--strategy", help="mindspore only: the target strategy file (rank_N/ folders are written)")
+    p.add_argument("--max-shard-size", metavar="SIZE",
+                   help="safetensors only: FILE is a folder of Hugging Face shards of at most SIZE ('5GB', '500MiB') "
+                        "with model.safetensors.index.json (one model.safetensors when everything fits); the "
+                        "default when FILE is an existing folder: 5GB")
     p.add_argument("--prefix", default="", help="torch only: export the tensors under PREFIX, named without it "
                                                 "(--prefix model. gives a file for model.load_state_dict)")
     p = add("gc", cmd_gc, "delete the saves a checkpoint no longer uses: replaced ones and abandoned attempts")

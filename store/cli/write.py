@@ -110,6 +110,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     fmt = args.format or {".npz": "npz", ".pt": "torch", ".pth": "torch"}.get(Path(args.file).suffix, "safetensors")
     if args.prefix and fmt != "torch":
         args.parser.error("--prefix applies to --format torch only")
+    sharded = fmt == "safetensors" and (args.max_shard_size is not None or Path(args.file).is_dir())
+    if args.max_shard_size is not None and fmt != "safetensors":
+        args.parser.error("--max-shard-size applies to --format safetensors only")
     if (fmt == "mindspore") != bool(args.strategy):
         args.parser.error("--format mindspore needs --strategy, and --strategy needs --format mindspore")
     t0 = time.perf_counter()
@@ -119,6 +122,19 @@ def cmd_export(args: argparse.Namespace) -> int:
         files = export_mindspore(args.src, args.file, Path(args.strategy).read_bytes(),
                                  storage_options=storage_options(args.storage_option))
         print(f"exported {len(files)} rank files under {args.file} in {time.perf_counter() - t0:.2f} s")
+        return 0
+    if sharded:
+        from ..frontends.safetensors import DEFAULT_SHARD_SIZE, export_safetensors, parse_size
+
+        try:
+            size = parse_size(args.max_shard_size or DEFAULT_SHARD_SIZE)
+        except ValueError as e:
+            args.parser.error(f"--max-shard-size: {e}")
+        done = export_safetensors(open_url(args.src, args), args.file, max_shard_size=size)
+        seconds = time.perf_counter() - t0
+        print(f"exported {human_bytes(done['total_size'])} of tensors to {args.file}: {len(done['files'])} "
+              f"safetensors file(s)" + (f" and {Path(done['index']).name}" if done["index"] else "")
+              + f" in {seconds:.2f} s")
         return 0
     if fmt == "torch":  # torch.save needs every tensor in memory at once
         from ..frontends.torch import export_torch

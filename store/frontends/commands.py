@@ -1,6 +1,7 @@
 """``reshard import ...``: the framework importers on the command line.
 
 ``reshard import dcp SRC DST``, ``reshard import orbax SRC DST``,
+``reshard import safetensors SRC DST``,
 ``reshard import mindspore SRC_DIR DST --strategy FILE`` and
 ``reshard import oneflow SRC_DIR... DST --placement RANKS --sbp SBP
 [--sbp-for NAME=SBP ...]``. Each framework is imported only when its command
@@ -38,6 +39,8 @@ def register_import(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--step", type=int, default=None, help="with a CheckpointManager folder: the step to import")
     p = add("mindspore", _mindspore, "MindSpore per-rank rank_N/*.ckpt files plus the training strategy file")
     p.add_argument("--strategy", required=True, help="strategy file (protobuf or JSON, pipeline-merged too)")
+    add("safetensors", _safetensors, "a safetensors file, or a Hugging Face folder (model.safetensors, or "
+        "model.safetensors.index.json and its model-0000k-of-0000n.safetensors shards); one tensor in memory at a time")
     p = sub.add_parser("oneflow", parents=[common], help=ONEFLOW_HELP, description=ONEFLOW_HELP)
     p.add_argument("src", nargs="+", metavar="SRC_DIR",
                    help="one folder per placement rank, in the order of --placement's ranks, each written by "
@@ -110,6 +113,15 @@ def _mindspore(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     ckpt = import_mindspore(args.src, args.dst, Path(args.strategy).read_bytes(), **_options(args))
     return _report("MindSpore checkpoint", args, t0, {"tensors": len(ckpt), "bytes": ckpt.nbytes})
+
+
+def _safetensors(args: argparse.Namespace) -> int:
+    from .safetensors import import_safetensors
+
+    t0 = time.perf_counter()
+    options = _options(args)  # -S applies to SRC and DST alike
+    ckpt = import_safetensors(args.src, args.dst, src_storage_options=options["storage_options"], **options)
+    return _report("safetensors", args, t0, {"tensors": len(ckpt), "bytes": ckpt.nbytes})
 
 
 def _sbp_arg(text: str) -> Any:
