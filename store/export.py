@@ -173,7 +173,7 @@ def export(ckpt: Checkpoint, path: str, format: str = "safetensors", names: Iter
     """
     if format not in ("safetensors", "npz"):
         raise ValueError(f"format must be 'safetensors' or 'npz', got {format!r}")
-    metas = [ckpt[n].meta for n in (sorted(ckpt.arrays) if names is None else names)]
+    metas = [ckpt.tensor(n) for n in (sorted(ckpt.arrays) if names is None else names)]
     cap = graph.fusion_cap(fusion)
     ref = graph.BudgetRef.new(budget)
     if format == "safetensors":

@@ -94,6 +94,17 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
             return tree
         raise TensorNotFoundError(f"{self.url}: no tensor named {name!r}{suggest(name, self.names())}")
 
+    def tensor(self, name: str) -> ArrayMeta:
+        """The record of tensor ``name`` (a leaf or a group is not one: :class:`TensorNotFoundError`)."""
+        meta = self.arrays.get(name)
+        if meta is None:
+            what = "a leaf" if name in self.leaves else None
+            if what is None and any(n.startswith(name + ".") for n in self.arrays):
+                what = "a group of tensors"
+            raise TensorNotFoundError(f"{self.url}: no tensor named {name!r}"
+                                      + (f" (it is {what})" if what else suggest(name, self.names())))
+        return meta
+
     def __contains__(self, name: object) -> bool:
         return name in self.arrays
 
@@ -185,7 +196,7 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
 
     def read(self, name: str, region: Region | None = None) -> np.ndarray:
         """Read one tensor (or a region of it) into a new numpy array."""
-        meta = self[name].meta
+        meta = self.tensor(name)
         region = region if region is not None else tuple(slice(0, n) for n in meta.shape)
         dest = np.empty(tuple(r.stop - r.start for r in region), dtype=meta.np_dtype)
         self.read_regions([(meta, region, dest)])
@@ -254,7 +265,7 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
     def _select(self, layouts: LayoutSpec, names: Any) -> list[tuple[str, ArrayMeta]]:
         if names is None:
             names = list(layouts) if isinstance(layouts, Mapping) else list(self.arrays)
-        return [(n, self[n].meta) for n in names]
+        return [(n, self.tensor(n)) for n in names]
 
     @staticmethod
     def _target(layouts: LayoutSpec, meta: ArrayMeta) -> Layout:

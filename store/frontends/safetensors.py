@@ -34,13 +34,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from reshard.layouts import Layout
-from reshard.layouts.errors import BadNameError, DTypeMismatchError, FormatError, TensorNotFoundError
+from reshard.layouts.errors import BadNameError, DTypeMismatchError, FormatError
 
 from ..export import SAFETENSORS_DTYPES
 from ..format.dtypes import numpy_dtype
 from ..reader import Checkpoint
 from ..reader import open as open_checkpoint
-from ..tree import LayoutSpec, resolve_layout, suggest
+from ..tree import LayoutSpec, resolve_layout
 from ..writer import create, single_process
 
 if TYPE_CHECKING:
@@ -370,8 +370,7 @@ def export_safetensors(src: str | Checkpoint, folder: str | os.PathLike[str], *,
     for name in chosen:
         if name == "__metadata__":
             raise BadNameError("a tensor named '__metadata__' cannot be stored in safetensors")
-        if name not in ckpt.arrays:
-            raise TensorNotFoundError(f"{ckpt.url}: no tensor named {name!r}{suggest(name, ckpt.arrays)}")
+        ckpt.tensor(name)  # a TensorNotFoundError (with close matches) for what is not a tensor
     shards = plan_shards(((n, ckpt.arrays[n].nbytes) for n in chosen), parse_size(max_shard_size))
     out = os.fspath(folder)
     os.makedirs(out, exist_ok=True)
