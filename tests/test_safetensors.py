@@ -210,6 +210,11 @@ def test_bad_files_name_file_and_tensor(tmp_path: Path, capsys: pytest.CaptureFi
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "tensor 'c'" in err and "model-00001-of-00002" in err
     assert not (tmp_path / "x").exists()  # every header is checked before anything is written
+    _raw(tmp_path / "empty.safetensors", {}, b"")
+    with pytest.raises(rs.CheckpointNotFoundError, match="holds no tensors"):
+        sf.import_safetensors(tmp_path / "empty.safetensors", str(tmp_path / "x"))
+    with pytest.raises(rs.CheckpointNotFoundError, match="does not exist"):
+        sf.import_safetensors(tmp_path / "nothing", str(tmp_path / "x"))
 
 
 # ------------------------------------------------------------------ memory

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from reshard.layouts import Layout
-from reshard.layouts.errors import BadNameError, DTypeMismatchError, FormatError
+from reshard.layouts.errors import BadNameError, CheckpointNotFoundError, DTypeMismatchError, FormatError
 
 from ..export import SAFETENSORS_DTYPES
 from ..format.dtypes import numpy_dtype
@@ -42,6 +42,7 @@ from ..reader import Checkpoint
 from ..reader import open as open_checkpoint
 from ..tree import LayoutSpec, resolve_layout
 from ..writer import create, single_process
+from .sources import refuse_empty
 
 if TYPE_CHECKING:
     from ..io.storage import IOStats
@@ -177,7 +178,7 @@ def source_files(src: str | os.PathLike[str],
     fs, fpath = _fs(str(src), storage_options)
     base = str(src).rstrip("/")
     if not fs.exists(fpath):
-        raise FileNotFoundError(f"{src} does not exist")
+        raise CheckpointNotFoundError(f"{src} does not exist (a .safetensors file, an index, or a folder)")
     if fs.isdir(fpath):
         names = sorted(PurePosixPath(p).name for p in fs.ls(fpath, detail=False))
         indexes = [n for n in names if n.endswith(".safetensors.index.json")]
@@ -259,6 +260,7 @@ def import_safetensors(src: str | os.PathLike[str], dst_url: str, *, layouts: La
             held = where.get(name)
             if held is None or PurePosixPath(held[0].path).name != file:
                 raise FormatError(f"{src}: the index puts tensor {name!r} in {file}, which does not hold it")
+    refuse_empty("safetensors", src, len(where))
     leaves, extra = _leaves(headers)
     if extra:
         leaves[METADATA_LEAF] = extra
