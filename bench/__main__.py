@@ -15,7 +15,7 @@ from bench import data
 from bench.report import machine, markdown, summary
 from bench.workloads import Options, Runner, available_anchors
 
-ALL = ("w1", "w3", "w2", "w4", "scale")
+ALL = ("w1", "w3", "w2", "w4", "scale", "async")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -98,6 +98,14 @@ def targets(rows: list[Row]) -> list[tuple[str, str, bool | None]]:
         for anchor in ("dcp", "orbax"):
             ratio(w, save, anchor, "reshard", f"{anchor} / reshard time >= 2", lambda x: x >= 2)
         ratio(w, save, "reshard", "np.save", "reshard / np.save time <= 1.5", lambda x: x <= 1.5)
+    blocked = "save of one rank's W1 piece, blocked"
+    ratio("async", blocked, "reshard", "np.copyto", "reshard async save blocked / np.copyto time <= 1.5",
+          lambda x: x <= 1.5)
+    ratio("async", blocked, "reshard sync", "reshard", "reshard sync save / async save blocked time >= 5",
+          lambda x: x >= 5)
+    for anchor in ("dcp", "orbax"):
+        ratio("async", blocked, anchor, "reshard", f"{anchor} async / reshard async blocked time (>= 1 is better)",
+              lambda x: x >= 1)
     ex = find(rows, "W1", "export to one safetensors file", "reshard")
     if ex:
         largest = int(ex.note.split()[2]) * MiB if ex.note.startswith("largest") else 0

@@ -34,7 +34,7 @@ class Options:
     reps: int = 3
     warmup: int = 1
     full: bool = False
-    only: set[str] = field(default_factory=lambda: {"w1", "w2", "w3", "w4", "scale"})
+    only: set[str] = field(default_factory=lambda: {"w1", "w2", "w3", "w4", "scale", "async"})
     anchors: set[str] = field(default_factory=set)
     budget_s: float = 60.0
 
@@ -240,6 +240,30 @@ class Runner:
         m.extra["wire_requests"] = len(gets) / runs
         m.extra["wire_bytes"] = sum(r.bytes_sent for r in gets) / runs
 
+    # --------------------------------------------------------------- async
+    def async_save(self) -> None:
+        """Time blocked in ``save`` for one rank's W1 piece (W1 cut 8 ways: 128 MiB), every system side by side."""
+        w1 = self.opts.cfg["w1"]
+        cfg = {**w1, "rows": w1["rows"] // 8}
+        size = data.total_bytes(data.tensors("w1", cfg))
+        label, phase = "async", "save of one rank's W1 piece, blocked"
+        self.group(label, phase, "np.copyto", "bench.tasks_async:CopyTo", 1, {"cfg": cfg}, size,
+                   "the same bytes into buffers allocated before timing")
+        runs = [("reshard", "async", "returns once staged"), ("reshard sync", "sync", "returns once written"),
+                ("reshard+wait", "async+wait", "save, then wait() until written")]
+        for system, mode, note in runs:
+            self.group(label, phase, system, "bench.tasks_async:ManagerSave", 1,
+                       {"cfg": cfg, "mode": mode, "url": self.dir(f"async-{mode}")}, size, note)
+        anchors = {"dcp": ("bench.tasks_async:DcpSave", "async_save"), "orbax": ("bench.tasks_async:OrbaxSave",
+                                                                                 "AsyncCheckpointer.save")}
+        for anchor, (task, call) in anchors.items():
+            if anchor in self.opts.anchors:
+                self.group(label, phase, anchor, task, 1, {"cfg": cfg, "mode": "async", "url": self.dir(anchor)},
+                           size, f"{call}, returns before writing")
+                self.group(label, phase, f"{anchor} sync", task, 1,
+                           {"cfg": cfg, "mode": "sync", "url": self.dir(f"{anchor}-sync")}, size,
+                           "save until written")
+
     # ------------------------------------------------------------- scaling
     def scale_ranks(self) -> None:
         cfg = self.opts.cfg
@@ -272,7 +296,7 @@ class Runner:
     def all(self) -> list[Row]:
         only = self.opts.only
         steps = [("w1", lambda: self.w1(self.opts.cfg["w1"])), ("w3", self.w3), ("w2", self.w2), ("w4", self.w4),
-                 ("scale", self.scale_ranks), ("scale", self.scale_size)]
+                 ("scale", self.scale_ranks), ("scale", self.scale_size), ("async", self.async_save)]
         for key, step in steps:
             if key in only:
                 print(f"[{key}]", flush=True)

@@ -230,3 +230,47 @@ def test_s3_failed_index_read_raises(s3_proxy, s3_bucket):
     s3_proxy.deny("*manager.json")
     with pytest.raises(rs.StorageError):
         mgr.latest_step()
+
+
+def test_replicas_are_not_staged(tmp_path):
+    with rs.CheckpointManager(str(tmp_path / "run"), L) as mgr:
+        save_all(mgr, 1)
+        mgr.wait()
+        assert [a.shape for a in mgr.staging._free[0][0].arrays] == [(2, 3), (3,)]  # rank 0 writes "b"
+        assert [a.shape for a in mgr.staging._free[1][0].arrays] == [(2, 3)]  # rank 1 holds a replica of it
+        mgr.wait(committed=True, timeout=30)
+        np.testing.assert_array_equal(mgr.open()["b"].read(), np.ones(3, np.float32))
+
+
+def test_torch_manager_saves_and_loads_a_state_dict(tmp_path):
+    torch = pytest.importorskip("torch")
+    from reshard.store.manager import TorchCheckpointManager
+
+    model = torch.nn.Linear(4, 3)
+    with TorchCheckpointManager(str(tmp_path / "run"), model.state_dict(), max_to_keep=1) as mgr:
+        for step in (1, 2):
+            with torch.no_grad():
+                model.weight.fill_(step)
+            mgr.save(step, {**model.state_dict(), "epoch": step}, metrics={"loss": 1.0 / step})
+        mgr.wait(committed=True, timeout=30)
+        assert mgr.steps() == [2] and mgr.metrics(2) == {"loss": 0.5}
+        other = torch.nn.Linear(4, 3)
+        sd = {**other.state_dict(), "epoch": 0}
+        assert mgr.load(sd) == 2
+        assert torch.equal(sd["weight"], torch.full((3, 4), 2.0)) and sd["epoch"] == 2
+
+
+@pytest.mark.skipif("not __import__('importlib').util.find_spec('torch') or not __import__('torch').cuda.is_available()")
+def test_cuda_tensors_are_staged_through_pinned_buffers(tmp_path):
+    import torch
+
+    lay = {"w": Layout.from_dtensor((2,), ["S(0)"], (1024, 256))}
+    src = torch.randn(1024, 256, device="cuda")
+    with rs.CheckpointManager(str(tmp_path / "run"), lay) as mgr:
+        for r in range(2):
+            piece = src[512 * r : 512 * (r + 1)].clone()
+            mgr.save(1, r, {"w": piece})
+            piece.zero_()  # on the GPU stream, after the staging copy was queued
+        mgr.wait(committed=True, timeout=60)
+        assert mgr.staging._free[0][0].pinned
+        np.testing.assert_array_equal(mgr.open()["w"].read(), src.cpu().numpy())

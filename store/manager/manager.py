@@ -38,7 +38,7 @@ from ..writer import CheckpointWriter
 from .committer import Committer
 from .index import StepRecord, metrics_of, read_index, step_dir
 from .retention import Retention
-from .staging import StagingPool, _is_jax, _is_torch
+from .staging import StagingPool, _is_jax, _is_torch, host_dtype
 
 #: Seconds the committer waits for every rank of a step before giving the step up.
 DEFAULT_COMMIT_TIMEOUT = 600.0
@@ -175,6 +175,9 @@ class CheckpointManager:
                 raise ValueError(f"{self.url}: rank {rank} saved step {last} already; steps must increase "
                                  f"(got {step})")
             self._last[rank] = step
+        stand_ins = self._replicas(rank, tensors)  # pieces other ranks write: never copied
+        tensors = {n: v for n, v in tensors.items() if n not in stand_ins}
+        leaves.update(stand_ins)
         if self.async_save:
             staged = self.staging.stage(rank, tensors, check=self.raise_errors)
             try:
@@ -190,6 +193,18 @@ class CheckpointManager:
             self._pending = [f for f in self._pending if not f.done() or f.exception() is not None] + [job]
             if rank == self.committer_rank:
                 self._committing[step] = self._commits.submit(self._commit, step, job, found)
+
+    def _replicas(self, rank: int, tensors: dict[str, Any]) -> dict[str, np.ndarray]:
+        """Zero-stride stand-ins for the pieces ``rank`` holds as a replica (replica 0 writes them)."""
+        if not isinstance(self.layouts, Mapping):
+            return {}
+        out = {}
+        for name, value in tensors.items():
+            layout = self.layouts.get(name)
+            if layout is not None and rank in layout.ranks and layout.replica_id(rank) != 0:
+                shape = tuple(int(n) for n in value.shape)
+                out[name] = np.broadcast_to(np.zeros((), dtype=host_dtype(value)), shape)
+        return out
 
     def _write(self, step: int, rank: int, state: dict[str, Any], staged: Any) -> None:
         try:

@@ -16,6 +16,7 @@ each), anything else ``np.asarray`` accepts.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -23,7 +24,12 @@ from typing import Any
 
 import numpy as np
 
+from ..io import pool
 from ..reader import allocate
+
+#: States from this many bytes are copied by the I/O pool's threads, in pieces of ``PIECE_BYTES``.
+PARALLEL_BYTES = 16 << 20
+PIECE_BYTES = 8 << 20
 
 
 def _is_torch(value: Any) -> bool:
@@ -144,11 +150,17 @@ def _copy_all(values: list[Any], buffers: list[np.ndarray], cuda: list[bool]) ->
         if _is_jax(v):
             v.copy_to_host_async()  # all transfers in flight before the first wait
     waits: list[Callable[[], None]] = []
+    jobs: list[Callable[[], None]] = []
     for value, dst, on_gpu in zip(values, buffers, cuda, strict=True):
         if _is_torch(value):
-            _copy_torch(value, dst, on_gpu)
+            _copy_torch(value, dst, on_gpu)  # torch parallelises large copies itself
         else:
-            np.copyto(dst, np.asarray(value), casting="no")
+            jobs += _copy_jobs(np.asarray(value), dst)
+    if sum(dst.nbytes for dst in buffers) >= PARALLEL_BYTES:
+        pool.run_all(jobs, True)  # np.copyto releases the GIL: a few threads copy faster than one
+    else:
+        for job in jobs:
+            job()
     if any(cuda):
         import torch
 
@@ -156,6 +168,18 @@ def _copy_all(values: list[Any], buffers: list[np.ndarray], cuda: list[bool]) ->
         event.record()
         waits.append(event.synchronize)
     return waits
+
+
+def _copy_jobs(src: np.ndarray, dst: np.ndarray) -> list[Callable[[], None]]:
+    """Copies of ``src`` into ``dst`` in pieces of about ``PIECE_BYTES`` (contiguous arrays are cut flat)."""
+    if src.dtype != dst.dtype or src.shape != dst.shape:
+        raise TypeError(f"staging: {src.dtype}{list(src.shape)} does not fit a {dst.dtype}{list(dst.shape)} buffer")
+    if not (src.flags.c_contiguous and dst.flags.c_contiguous) or src.nbytes <= PIECE_BYTES:
+        return [functools.partial(np.copyto, dst, src)]
+    flat_src, flat_dst = src.reshape(-1), dst.reshape(-1)
+    step = max(1, PIECE_BYTES // src.itemsize)
+    return [functools.partial(np.copyto, flat_dst[i : i + step], flat_src[i : i + step])
+            for i in range(0, flat_src.size, step)]
 
 
 def _copy_torch(value: Any, dst: np.ndarray, on_gpu: bool) -> None:

@@ -1,0 +1,78 @@
+"""``CheckpointManager`` for torch state dicts (DTensors, plain tensors, JSON leaves).
+
+One manager per process, built from the state dict it will save: the layouts
+come from the DTensors' meshes and placements (plain tensors are replicated
+over the group), the rank from ``torch.distributed``. ``save(step, state_dict)``
+stages this rank's local tensors (CPU or CUDA) and returns; ``load(state_dict)``
+fills a state dict of any mesh in place from a committed step. torch is
+imported only when a manager is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ..frontends import torch as rt
+from ..tree import to_json
+from .index import step_dir
+from .manager import CheckpointManager
+
+
+class TorchCheckpointManager:
+    """Steps of a torch training run; see :class:`reshard.store.CheckpointManager` for ``**options``.
+
+    Parameters
+    ----------
+    url : str
+        The root.
+    state_dict : mapping
+        A state dict shaped like the ones that will be saved (e.g.
+        ``{"model": ..., "optim": ...}`` from ``get_state_dict``): its
+        tensors' meshes and placements give the layouts.
+    process_group : ProcessGroup, optional
+        The ranks taking part (default: the whole job, or this process alone).
+    **options
+        ``max_to_keep``, ``keep_every``, ``keep_best``/``best_metric``,
+        ``async_save``, ``max_pending``, ``commit_timeout``, ``storage_options``...
+    """
+
+    def __init__(self, url: str, state_dict: Mapping[str, Any], *, process_group: Any = None,
+                 **options: Any) -> None:
+        self.rank, self.ranks = rt._group(process_group)
+        self.process_group = process_group
+        self.layouts = {name: rt.layout_of(value, self.ranks)
+                        for name, _, _, value in rt._walk(state_dict) if rt._is_tensor(value)}
+        self.manager = CheckpointManager(url, self.layouts, rank=self.rank, committer=self.ranks[0], **options)
+
+    def __getattr__(self, name: str) -> Any:  # steps, latest_step, wait, open, metrics, close...
+        return getattr(self.manager, name)
+
+    def __enter__(self) -> TorchCheckpointManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.manager.__exit__(*exc)
+
+    def save(self, step: int, state_dict: Mapping[str, Any], *, metrics: Mapping[str, float] | None = None) -> None:
+        """Stage this rank's part of ``state_dict`` as step ``step`` and return (it may change at once)."""
+        local: dict[str, Any] = {}
+        for name, _, _, value in rt._walk(state_dict):
+            if rt._is_tensor(value):
+                if self.rank in self.layouts[name].ranks:
+                    local[name] = rt._local(value)
+            else:
+                local[name] = to_json(value, name)
+        self.manager.save(step, self.rank, local, metrics=metrics)
+
+    def load(self, state_dict: Mapping[str, Any], *, step: int | None = None, strict: bool = True) -> int:
+        """Fill ``state_dict`` (any mesh) in place from a committed step (default: the latest); return the step."""
+        if step is None:
+            step = self.manager.latest_step()
+            if step is None:
+                from reshard.layouts.errors import CheckpointNotFoundError
+
+                raise CheckpointNotFoundError(f"{self.manager.url}: no committed step")
+        rt.load(state_dict, f"{self.manager.url}/{step_dir(step)}", strict=strict,
+                process_group=self.process_group, storage_options=self.manager.storage_options)
+        return step
