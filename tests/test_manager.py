@@ -260,7 +260,15 @@ def test_torch_manager_saves_and_loads_a_state_dict(tmp_path):
         assert torch.equal(sd["weight"], torch.full((3, 4), 2.0)) and sd["epoch"] == 2
 
 
-@pytest.mark.skipif("not __import__('importlib').util.find_spec('torch') or not __import__('torch').cuda.is_available()")
+def _cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+@pytest.mark.skipif(not _cuda(), reason="no CUDA device")
 def test_cuda_tensors_are_staged_through_pinned_buffers(tmp_path):
     import torch
 
