@@ -170,6 +170,19 @@ def test_a_new_job_removes_what_a_crashed_one_left(tmp_path):
         np.testing.assert_array_equal(mgr.open()["w"].read(), full(2))
 
 
+def test_a_reading_manager_never_deletes_and_cannot_save(tmp_path):
+    url = str(tmp_path / "run")
+    with rs.CheckpointManager(url, L) as mgr:
+        save_all(mgr, 1)
+    w = rs.create(f"{url}/step-2", L, save_id="2")  # a live job's step being written
+    w.write(3, {"w": full(2)[6:8], "b": np.zeros(3, np.float32)})
+    reader = rs.CheckpointManager(url)  # a notebook: no layouts, no RANK
+    assert reader.steps() == [1] and (tmp_path / "run" / "step-2").exists()
+    np.testing.assert_array_equal(reader.load({"w": Layout.single(SHAPE)}, 0)["w"], full(1))
+    with pytest.raises(ValueError, match="cannot save"):
+        reader.save(3, 0, {})
+
+
 def test_sync_save_writes_before_returning(tmp_path):
     url = str(tmp_path / "run")
     with rs.CheckpointManager(url, L, async_save=False) as mgr:

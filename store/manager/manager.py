@@ -53,9 +53,10 @@ class CheckpointManager:
     ----------
     url : str
         The root (local path or fsspec URL); created on the first save.
-    layouts : mapping or callable
+    layouts : mapping or callable, optional
         Saving layouts ``{name: Layout}`` (or a rule with ``shapes=``), the same
-        on every rank.
+        on every rank. Without them the manager only reads (``steps``,
+        ``open``, ``load``: an evaluator, a notebook) and never deletes anything.
     max_to_keep : int, optional
         Keep the latest this many committed steps (default: all).
     keep_every : int, optional
@@ -96,7 +97,7 @@ class CheckpointManager:
     never committed, and would take a step being written for one of those.
     """
 
-    def __init__(self, url: str, layouts: LayoutSpec, *, max_to_keep: int | None = None,
+    def __init__(self, url: str, layouts: LayoutSpec | None = None, *, max_to_keep: int | None = None,
                  keep_every: int | None = None, keep_best: int | None = None, best_metric: str | None = None,
                  best_mode: str = "min", async_save: bool = True, max_pending: int = 1,
                  rank: int | Iterable[int] | None = None, committer: int | None = None,
@@ -110,7 +111,7 @@ class CheckpointManager:
         self.policy = Retention(max_to_keep, keep_every, keep_best, best_metric, best_mode)
         self.async_save = bool(async_save)
         self.staging = StagingPool(max_pending)
-        self.expected = _all_ranks(layouts, options.get("shapes"))
+        self.expected = _all_ranks(layouts, options.get("shapes")) if layouts is not None else []
         self.committer_rank = int(committer) if committer is not None else (self.expected[0] if self.expected else 0)
         self._stop = threading.Event()
         self.committer = Committer(self.root, self.policy, timeout=float(commit_timeout), poll_max=poll_max,
@@ -126,7 +127,7 @@ class CheckpointManager:
         self._last: dict[int, int] = {}
         self._writers: dict[int, CheckpointWriter] = {}
         self._closed = False
-        if self.committer_rank in _process_ranks(rank, self.committer_rank):
+        if layouts is not None and self.committer_rank in _process_ranks(rank, self.committer_rank):
             self.committer.reconcile()
 
     def __repr__(self) -> str:
@@ -165,6 +166,8 @@ class CheckpointManager:
         self.raise_errors()
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
+        if self.layouts is None:
+            raise ValueError(f"{self!r} was opened to read (no layouts): it cannot save")
         step = _step(step)
         found = metrics_of(metrics, step)
         tensors, leaves = flatten(local_state, self.layouts if isinstance(self.layouts, Mapping) else ())
@@ -216,6 +219,7 @@ class CheckpointManager:
                 staged.release()
 
     def _writer(self, step: int) -> CheckpointWriter:
+        assert self.layouts is not None  # save refuses a reading manager
         with self._lock:
             if step not in self._writers:
                 for old in sorted(self._writers)[:-3]:
