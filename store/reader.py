@@ -203,7 +203,8 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
         return dest
 
     def load(self, layouts: LayoutSpec, rank: int, *, names: Any = None,
-             out: Mapping[str, Any] | None = None) -> dict[str, Any]:
+             out: Mapping[str, Any] | None = None, as_: str = "numpy", device: Any = None,
+             pin_memory: bool = False) -> dict[str, Any]:
         """One rank's local pieces under target layouts (nested like the saved state).
 
         Parameters
@@ -220,14 +221,35 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
             Destination arrays to fill in place (nested or dotted names, each of
             the rank's local shape and the stored dtype, C-contiguous), e.g. the
             buffers of already allocated framework tensors: no new memory.
+            With ``as_="torch"``: torch tensors of the local shape, on any
+            device and of any dtype (other than in place, they get a copy).
+        as_ : {"numpy", "torch"}
+            What the arrays are returned as.
+        device : str or torch.device, optional
+            With ``as_="torch"``: where new tensors go (default CPU); for an
+            accelerator the reads land in pinned host memory, then one
+            asynchronous copy per tensor, synchronised before returning.
+        pin_memory : bool
+            With ``as_="torch"``: return CPU tensors in page-locked memory
+            (ignored when torch sees no accelerator, as pinning needs one).
 
         Returns
         -------
         dict
-            Nested dict of numpy arrays, plus the non-tensor leaves. The arrays
-            this call allocates are views of one buffer (see :func:`allocate`):
-            its memory is freed once the last of them is dropped.
+            Nested dict of numpy arrays (or torch tensors), plus the non-tensor
+            leaves. The arrays this call allocates are views of one buffer (see
+            :func:`allocate`): its memory is freed once the last of them is dropped.
         """
+        if as_ not in ("numpy", "torch"):
+            raise ValueError(f"as_ must be 'numpy' or 'torch', got {as_!r}")
+        if as_ == "numpy" and (device is not None or pin_memory):
+            raise ValueError("device and pin_memory need as_='torch'")
+        if as_ == "torch":
+            from .frontends.torch_load import load_torch
+
+            wanted = [(n, m, lay.local_shape(rank), lay.region(rank)) for n, m in self._select(layouts, names)
+                      if rank in (lay := self._target(layouts, m)).ranks]
+            return unflatten({**self.leaves, **load_torch(self, wanted, out, device, pin_memory)})
         given = flatten(out, self.arrays)[0] if out is not None else {}
         wanted = []
         for name, meta in self._select(layouts, names):

@@ -9,7 +9,9 @@ its local tensor. For optimizer state use the FQN-keyed dicts of
 ``torch.distributed.checkpoint.state_dict.get_state_dict`` (see docs/torch.md).
 
 DCP import (:func:`import_dcp`, :func:`read_dcp_metadata`) lives in
-:mod:`reshard.store.frontends.dcp` and is importable from here too.
+:mod:`reshard.store.frontends.dcp` and is importable from here too; the DCP
+storage plugin (``StorageWriter``, ``StorageReader`` for ``dcp.save``/
+``dcp.load``) in :mod:`reshard.store.frontends.torch_dcp`, loaded on first use.
 torch is imported inside the functions, never when ``reshard.store`` loads.
 """
 
@@ -31,7 +33,17 @@ from ..writer import create
 from .dcp import import_dcp, read_dcp_metadata
 from .torch_arrays import from_numpy, to_numpy
 
+# (also StorageWriter and StorageReader, through __getattr__: they import torch)
 __all__ = ["export_torch", "from_numpy", "import_dcp", "layout_of", "load", "read_dcp_metadata", "save", "to_numpy"]
+
+
+def __getattr__(name: str) -> Any:
+    """``StorageWriter``/``StorageReader`` (the DCP plugin) import torch, so they load on first use."""
+    if name in ("StorageWriter", "StorageReader"):
+        from .torch_dcp import StorageReader, StorageWriter
+
+        return StorageReader if name == "StorageReader" else StorageWriter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 def _is_tensor(value: Any) -> bool:
     import torch
@@ -308,13 +320,10 @@ def load(state_dict: Mapping[str, Any], url: str, *, strict: bool = True, proces
     IOStats
         This rank's read counters.
     """
-    import torch
-
     rank, _ = _group(process_group)
     ckpt = open(url, storage_options=storage_options, engine=engine)
     layouts: dict[str, Layout] = {}
-    out: dict[str, np.ndarray] = {}
-    copies: list[tuple[Any, np.ndarray]] = []
+    targets: dict[str, Any] = {}
     updates: list[tuple[Any, Any, Any]] = []
     missing = []
     for name, container, key, value in _walk(state_dict):
@@ -328,24 +337,14 @@ def load(state_dict: Mapping[str, Any], url: str, *, strict: bool = True, proces
             missing.append(name)
             continue
         layout = layout_of(value, [rank])
-        if rank not in layout.ranks:
-            continue
-        layouts[name] = layout
-        target = _local(value)
-        stored = ckpt.arrays[name].np_dtype
-        view = to_numpy(target) if target.device.type == "cpu" and target.is_contiguous() else None
-        if view is not None and view.dtype == stored:
-            out[name] = view  # read straight into the tensor's memory
-        else:
-            out[name] = np.empty(layout.local_shape(rank), dtype=stored)
-            copies.append((target, out[name]))
+        if rank in layout.ranks:
+            layouts[name] = layout
+            targets[name] = _local(value)
     if missing and strict:
         shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
         raise TensorNotFoundError(f"{ckpt.url} holds no tensor or leaf named {shown}")
-    ckpt.load(layouts, rank, out=out)
-    with torch.no_grad():
-        for target, array in copies:
-            target.copy_(from_numpy(array))
+    # CPU contiguous tensors of the stored dtype are read into in place; others get a (pinned, for a GPU) staged copy
+    ckpt.load(layouts, rank, as_="torch", out=targets)
     for container, key, leaf in updates:
         container[key] = leaf
     return ckpt.last_stats

@@ -1,0 +1,323 @@
+"""A DCP storage plugin: ``dcp.save``/``dcp.load`` (and ``dcp.async_save``) on reshard checkpoints.
+
+::
+
+    from reshard.store.frontends.torch import StorageReader, StorageWriter
+
+    dcp.save(state_dict, storage_writer=StorageWriter(url))
+    dcp.load(state_dict, storage_reader=StorageReader(url))
+
+The writer stores a normal reshard checkpoint (zarr arrays, JSON leaves, no
+pickle): DCP's planner decides which rank writes which chunk (replicas
+deduplicated), the coordinator turns the global plan into one explicit layout
+per tensor (one block per saved chunk), every rank writes its own chunks, and
+the coordinator writes the manifests and commits in ``finish``. Non-tensor
+items must be JSON values; lists DCP split per element (``param_groups``) are
+joined back, so ``rs.open`` and :func:`reshard.store.frontends.torch.load`
+see what :func:`~reshard.store.frontends.torch.save` would have written.
+
+The reader presents any reshard checkpoint (written by this plugin, by
+``save``, by an importer, by another framework) to DCP as one chunk per
+tensor; DCP's planner then asks each rank for the regions its own state dict
+needs, and only the inner chunks meeting them are read. JSON leaves are
+split the way DCP flattens state dicts.
+
+This module imports torch when it loads; :mod:`.torch` imports it on first
+use of ``StorageWriter``/``StorageReader``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from reshard.layouts import Layout
+from reshard.layouts.errors import DTypeMismatchError
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import WriteItemType as _WriteType
+from torch.distributed.checkpoint.storage import StorageReader as _Reader
+from torch.distributed.checkpoint.storage import StorageWriter as _Writer
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from ..reader import open
+from ..tree import to_json
+from ..writer import create
+from .dcp import _regroup
+from .torch_arrays import from_numpy, to_numpy
+
+__all__ = ["StorageReader", "StorageWriter"]
+
+
+def _done(value: Any) -> Future[Any]:
+    fut: Future[Any] = Future()
+    fut.set_result(value)
+    return fut
+
+
+def _url(checkpoint_id: str | os.PathLike[str] | None, current: str | None) -> str:
+    url = os.fspath(checkpoint_id) if checkpoint_id is not None else current
+    if not url:
+        raise ValueError("no checkpoint URL: pass it to the storage plugin or as dcp's checkpoint_id")
+    return str(url)
+
+
+class StorageWriter(_Writer):
+    """Write ``dcp.save``'s state dict as a reshard checkpoint at ``url``.
+
+    Parameters
+    ----------
+    url : str, optional
+        Destination (local path or fsspec URL); or give DCP a ``checkpoint_id``.
+    **options
+        As for :func:`reshard.store.create`: ``overwrite``, ``compression``,
+        ``chunk_bytes``, ``checksums``, ``storage_options``, ``save_id``.
+        Without ``save_id`` the coordinator picks a fresh one per save, so
+        ``overwrite=True`` works without naming saves.
+    """
+
+    def __init__(self, url: str | os.PathLike[str] | None = None, **options: Any) -> None:
+        super().__init__()
+        self.url = None if url is None else os.fspath(url)
+        self.options = options
+        self.is_coordinator = False
+        self._save_id: Any = None
+        self._layouts: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ DCP calls, in order
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self.url = _url(checkpoint_id, self.url)
+        self._save_id, self._layouts = None, {}
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Coordinator: one explicit layout per tensor, a block per saved chunk; each plan gets its tensors'."""
+        chunks: dict[str, list[tuple[int, tuple[int, ...], tuple[int, ...], int]]] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
+        for plan in plans:
+            for item in plan.items:
+                if item.type == _WriteType.BYTE_IO or item.tensor_data is None:
+                    continue
+                fqn = item.index.fqn
+                blocks = chunks.setdefault(fqn, [])
+                c = item.tensor_data.chunk
+                blocks.append((len(blocks), tuple(c.offsets), tuple(c.sizes), 0))
+                shapes[fqn] = tuple(item.tensor_data.size)
+        layouts = {n: Layout.from_blocks(shapes[n], b).to_json() for n, b in chunks.items()}
+        save_id = self.options.get("save_id") or uuid.uuid4().hex[:16]
+        out = []
+        for plan in plans:
+            mine = {i.index.fqn for i in plan.items if i.type != _WriteType.BYTE_IO}
+            data = {"save_id": save_id, "layouts": {n: layouts[n] for n in mine}}
+            out.append(dataclasses.replace(plan, storage_data=data))
+        self._layouts = layouts
+        return out
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Write this rank's chunks; JSON leaves travel to the coordinator in the results."""
+        data = plan.storage_data or {}
+        self._save_id = data.get("save_id")
+        layouts = {n: Layout.from_json(j) for n, j in data.get("layouts", {}).items()}
+        writer = create(_url(None, self.url), layouts, **{**self.options, "save_id": self._save_id})
+        results = []
+        for item in plan.items:
+            fqn = item.index.fqn
+            if item.type == _WriteType.BYTE_IO or item.tensor_data is None:
+                leaf = to_json(_object(planner, item), fqn)
+                results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data={"leaf": leaf}))
+                continue
+            tensor = planner.resolve_data(item)
+            array = to_numpy(tensor)
+            layout = layouts[fqn]
+            meta = writer.meta(fqn, layout, _dtype_name(array))
+            c = item.tensor_data.chunk
+            region = tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes, strict=True))
+            writer.write_block(meta, region, array)
+            results.append(WriteResult(index=item.index, size_in_bytes=array.nbytes,
+                                       storage_data={"dtype": meta.dtype}))
+        return _done(results)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator: write every block's manifest and commit (the marker is written last)."""
+        items: dict[str, Any] = {}
+        dtypes: dict[str, str] = {}
+        for result in (r for rank in results for r in rank):
+            data = result.storage_data or {}
+            if "leaf" in data:
+                items[result.index.fqn] = data["leaf"]
+            else:
+                dtypes[result.index.fqn] = data["dtype"]
+        layouts = {n: Layout.from_json(j) for n, j in self._layouts.items()}
+        save_id = self._save_id or self.options.get("save_id")
+        writer = create(_url(None, self.url), layouts, **{**self.options, "save_id": save_id})
+        metas = {n: writer.meta(n, lay, dtypes[n]) for n, lay in layouts.items()}
+        leaves = _regroup(items, getattr(metadata, "planner_data", None) or {}, layouts)
+        writer.write_manifests(metas, leaves)
+        writer.commit()
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+def _object(planner: SavePlanner, item: Any) -> Any:
+    """The non-tensor value of a BYTE_IO item: from the planner's state dict, else decoded safely."""
+    lookup = getattr(planner, "lookup_object", None)
+    if lookup is not None:
+        return lookup(item.index)
+    buf = planner.resolve_data(item)
+    assert isinstance(buf, io.BytesIO)
+    return torch.load(buf, weights_only=True)
+
+
+def _dtype_name(array: np.ndarray) -> str:
+    from ..format.dtypes import dtype_name
+
+    return dtype_name(array.dtype)
+
+
+# ------------------------------------------------------------------------ reader
+def _torch_dtype(name: str, url: str, fqn: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise DTypeMismatchError(f"{url}: tensor {fqn!r} is {name}, which torch has no dtype for")
+    return dtype
+
+
+def _dcp_flat(name: str, value: Any, out: dict[str, Any]) -> None:
+    """Split a JSON leaf the way DCP flattens state dicts: mappings always, lists holding containers."""
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            _dcp_flat(f"{name}.{k}", v, out)
+    elif isinstance(value, list) and not _terminal(value):
+        for i, v in enumerate(value):
+            _dcp_flat(f"{name}.{i}", v, out)
+    else:
+        out[name] = value
+
+
+def _terminal(value: list[Any]) -> bool:
+    return not any(isinstance(v, Mapping) or (isinstance(v, list) and not _terminal(v)) for v in value)
+
+
+def _like(value: Any, template: Any) -> Any:
+    if isinstance(template, tuple) and isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+class StorageReader(_Reader):
+    """Read a reshard checkpoint in ``dcp.load``, onto any world size and placements.
+
+    Parameters
+    ----------
+    url : str, optional
+        The checkpoint; or give DCP a ``checkpoint_id``.
+    storage_options, engine
+        As for :func:`reshard.store.open`.
+    """
+
+    def __init__(self, url: str | os.PathLike[str] | None = None, *,
+                 storage_options: dict[str, Any] | None = None, engine: str = "fast") -> None:
+        super().__init__()
+        self.url = None if url is None else os.fspath(url)
+        self.storage_options = storage_options
+        self.engine = engine
+        self._ckpt: Any = None
+        self._leaves: dict[str, Any] = {}
+        #: The last ``read_data``'s I/O counters (this rank).
+        self.last_stats: Any = None
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self.url = _url(checkpoint_id, self.url)
+        self._ckpt = None
+
+    def _open(self) -> Any:
+        if self._ckpt is None:
+            self._ckpt = open(_url(None, self.url), storage_options=self.storage_options, engine=self.engine)
+        return self._ckpt
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """Every tensor as one chunk of its global shape; JSON leaves as DCP's per-element items."""
+        ckpt = self._open()
+        sd: dict[str, Any] = {}
+        for name, meta in ckpt.arrays.items():
+            props = TensorProperties(dtype=_torch_dtype(meta.dtype, ckpt.url, name))
+            shape = torch.Size(meta.shape)
+            sd[name] = TensorStorageMetadata(properties=props, size=shape,
+                                             chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)),
+                                                                          sizes=shape)])
+        self._leaves = {}
+        for name, value in ckpt.leaves.items():
+            _dcp_flat(name, value, self._leaves)
+        for name in self._leaves:
+            sd[name] = BytesStorageMetadata()
+        return Metadata(state_dict_metadata=sd, planner_data={n: (n,) for n in sd})  # flat, as stored
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._open()
+        if not self._leaves:
+            for name, value in self._ckpt.leaves.items():
+                _dcp_flat(name, value, self._leaves)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read every requested region in one batch, straight into the target when it is CPU, contiguous, same dtype."""
+        ckpt = self._open()
+        regions: list[tuple[Any, tuple[slice, ...], np.ndarray]] = []
+        copies: list[tuple[Any, torch.Tensor, np.ndarray | None]] = []
+        targets = getattr(planner, "state_dict", None) or {}
+        for item in plan.items:
+            fqn = item.storage_index.fqn
+            if item.type == LoadItemType.BYTE_IO:
+                buf = io.BytesIO()
+                torch.save(_like(self._leaves[fqn], targets.get(item.dest_index.fqn)), buf)
+                buf.seek(0)
+                planner.load_bytes(item, buf)
+                continue
+            meta = ckpt.arrays[fqn]
+            region = tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths, strict=True))
+            target = planner.resolve_tensor(item).detach()
+            view = to_numpy(target) if target.device.type == "cpu" and target.is_contiguous() else None
+            if view is not None and view.dtype == meta.np_dtype:
+                regions.append((meta, region, view))
+                copies.append((item, target, None))
+            else:
+                buf_arr = np.empty(tuple(item.lengths), dtype=meta.np_dtype)
+                regions.append((meta, region, buf_arr))
+                copies.append((item, target, buf_arr))
+        if regions:
+            self.last_stats = ckpt.read_regions(regions)
+        with torch.no_grad():
+            for item, target, array in copies:
+                if array is not None:
+                    target.copy_(from_numpy(array))
+                planner.commit_tensor(item, target)
+        return _done(None)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
