@@ -1,6 +1,6 @@
 """torch front end: DTensor save on a (2,2) mesh, load on (3,), DCP import, export.
 
-Real processes (torch.multiprocessing spawn, gloo on 127.0.0.1), real DCP
+Real processes (tests/torchproc.py: spawned, gloo on 127.0.0.1, waits bounded), real DCP
 checkpoints; values compared bit for bit with a single-process reference.
 """
 
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import warnings
@@ -22,6 +21,7 @@ pytest.importorskip("torch")
 
 import reshard.store as rs
 import torch
+import torchproc
 from reshard.layouts import Layout
 from reshard.store.frontends import torch as rt
 
@@ -104,24 +104,12 @@ def reference() -> dict[str, np.ndarray]:
     return {n: rt.to_numpy(v).copy() for n, v in out.items()}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _spawn(fn: Any, world: int, *args: Any) -> None:
-    import torch.multiprocessing as mp
-
-    mp.spawn(fn, args=(world, _free_port(), *args), nprocs=world, join=True)
+    torchproc.run(fn, world, *args)  # every wait bounded
 
 
 def _init(rank: int, world: int, port: int) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torchproc.init(rank, world, port)
 
 
 def _save_worker(rank: int, world: int, port: int, root: str) -> None:

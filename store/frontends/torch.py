@@ -73,14 +73,16 @@ def _placement(p: Any) -> str:
     return str(p)  # Partial: the adapter names it and refuses
 
 
-def layout_of(value: Any, ranks: list[int], *, widen: bool = True) -> Layout:
+def layout_of(value: Any, ranks: list[int], *, widen: bool = False) -> Layout:
     """The layout of one state-dict tensor.
 
     A DTensor gives ``Layout.from_dtensor`` over its mesh's global ranks
     (FSDP2 + TP strided shards become a nested split, TP first); a plain
-    tensor is replicated over ``ranks`` (its replica 0 writes it). A DTensor
-    on a submesh spans the root mesh, the sibling submeshes as replicas,
-    unless ``widen`` is false.
+    tensor is replicated over ``ranks`` (its replica 0 writes it). With
+    ``widen``, a DTensor on a submesh spans the root mesh, the sibling
+    submeshes as replicas: only right when the siblings hold the same
+    tensor, which :func:`save` checks across ranks before using it (pipeline
+    stages' submeshes hold different ones).
 
     Raises
     ------
@@ -261,7 +263,7 @@ def save(state_dict: Mapping[str, Any], url: str, *, process_group: Any = None, 
         for name, _, _, value in _walk(state_dict):
             values[name] = value
             if _is_tensor(value):
-                layouts[name] = layout_of(value, ranks)
+                layouts[name] = layout_of(value, ranks, widen=True)
                 if _is_dtensor(value) and _spanned(value.device_mesh)[1]:
                     widened.append(name)
     except Exception as e:  # shared with the other ranks below, then raised everywhere
