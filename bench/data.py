@@ -24,6 +24,7 @@ FULL: dict[str, Any] = {
     "scale_shape": [4096, 256], "scale_count": 16,             # 64 MiB, 8 rows per rank at 512
     "sizes": {"256 MiB": 936, "1 GiB": 3744},                  # W1 columns for the size sweep
     "sizes_full": {"4 GiB": 14976},
+    "gpt2": {"rows": 50257, "cols": 768},                      # GPT-2's token embedding, 147 MiB float32
 }
 SMOKE: dict[str, Any] = {
     "w1": {"rows": 112, "cols": 64, "count": 16},
@@ -34,6 +35,7 @@ SMOKE: dict[str, Any] = {
     "scale_shape": [512, 16], "scale_count": 4,
     "sizes": {},  # no size sweep in smoke runs
     "sizes_full": {},
+    "gpt2": {"rows": 1003, "cols": 24},
 }
 
 
@@ -41,7 +43,8 @@ SMOKE: dict[str, Any] = {
 class Spec:
     """One tensor of a workload.
 
-    ``kind`` says how it is divided: ``shard0`` (rows over all ranks), ``col``
+    ``kind`` says how it is divided: ``shard0`` (rows over all ranks, ``ceil``
+    pieces), ``balanced0`` (rows over all ranks, OneFlow's balanced pieces), ``col``
     / ``row`` (tensor-parallel column / row linear, optimizer-sharded), ``whole``.
     """
 
@@ -67,6 +70,9 @@ def np_dtype(name: str) -> np.dtype[Any]:
 
 def tensors(workload: str, cfg: dict[str, Any]) -> list[Spec]:
     """The tensors of ``workload`` (``w1``, ``w2``, ``w3``, ``w4``, ``scale``) at sizes ``cfg``."""
+    if workload in ("gpt2", "gpt2-balanced"):
+        kind = "balanced0" if workload == "gpt2-balanced" else "shard0"
+        return [Spec("wte", (int(cfg["rows"]), int(cfg["cols"])), "float32", kind, 0)]
     if workload in ("w1", "w4", "scale"):
         rect = (int(cfg["rows"]), int(cfg["cols"]))
         return [Spec(f"layer{i:02d}.weight", rect, "float32", "shard0", i) for i in range(cfg["count"])]
@@ -135,6 +141,8 @@ def reshard_layout(workload: str, spec: Spec, mesh: tuple[int, ...]) -> Any:
         return Layout.single(spec.shape)
     if spec.kind == "shard0":
         return Layout.from_dtensor(mesh[0], ["Shard(0)"], spec.shape)
+    if spec.kind == "balanced0":
+        return Layout.from_oneflow(list(range(mesh[0])), "S(0)", spec.shape)
     tensor_map = [0, -1] if spec.kind == "col" else [-1, 0]
     return Layout.from_mindspore(list(mesh), tensor_map, spec.shape, opt_shard_size=-1)
 

@@ -114,6 +114,14 @@ def targets(rows: list[Row]) -> list[tuple[str, str, bool | None]]:
                     f"{grown / MiB:.0f} MiB (limit {(1.2 * largest + EXPORT_BUDGET) / MiB:.0f} MiB)",
                     grown < 1.2 * largest + EXPORT_BUDGET))
     for r in rows:
+        if r.workload.startswith("GPT-2") and r.system == "reshard" and r.m.ok:
+            objects, shards = r.m.extra.get("objects"), r.m.extra.get("shard_objects")
+            if objects is not None:
+                out.append((f"{r.workload} balanced save: objects <= 8 + 8", f"{objects} ({shards} shards)",
+                            objects <= 16))
+                out.append((f"{r.workload} balanced save: one shard object per rank", str(shards), shards == 8))
+            ratio(r.workload, r.phase, "reshard", "reshard ceil", "balanced / ceil split save time <= 1.5",
+                  lambda x: x <= 1.5)
         if r.phase == "open + inspect metadata" and r.system == "reshard" and r.m.ok:
             out.append((f"{r.workload}: open + inspect <= 0.1 s", f"{r.m.median:.3f} s", r.m.median <= 0.1))
             dcp = find(rows, r.workload, r.phase, "dcp")

@@ -49,7 +49,8 @@ class Save(Task):
             shutil.rmtree(self.url, ignore_errors=True)
 
     def run(self, rep: int) -> dict[str, Any]:
-        options = {"storage_options": self.ctx.args.get("storage_options"), "overwrite": True}
+        options = {"storage_options": self.ctx.args.get("storage_options"), "overwrite": True,
+                   **({"grid": self.ctx.args["grid"]} if "grid" in self.ctx.args else {})}
         writer = self.rs.create(self.url, self.layouts, **options)
         writer.write(self.ctx.rank, self.local)
         if self.ctx.rank == 0:  # the barrier a training job has anyway: wait for the manifests

@@ -34,7 +34,7 @@ class Options:
     reps: int = 3
     warmup: int = 1
     full: bool = False
-    only: set[str] = field(default_factory=lambda: {"w1", "w2", "w3", "w4", "scale", "async"})
+    only: set[str] = field(default_factory=lambda: {"w1", "w2", "w3", "w4", "gpt2", "scale", "async"})
     anchors: set[str] = field(default_factory=set)
     budget_s: float = 60.0
 
@@ -240,6 +240,27 @@ class Runner:
         m.extra["wire_requests"] = len(gets) / runs
         m.extra["wire_bytes"] = sum(r.bytes_sent for r in gets) / runs
 
+    # ---------------------------------------------------------------- GPT-2
+    def gpt2(self) -> None:
+        """GPT-2's embedding saved by 8 ranks: OneFlow's balanced split (exact shards on the rectilinear
+        grid, and the gcd grid of ``grid="regular"``) against DTensor's ceil split (a regular grid)."""
+        cfg = self.opts.cfg["gpt2"]
+        size = cfg["rows"] * cfg["cols"] * 4
+        label, phase = f"GPT-2 embedding {cfg['rows']}x{cfg['cols']}", "save, 8 ranks"
+        runs = [("reshard", "gpt2-balanced", {}, "balanced split, exact shards (rectilinear grid)", None),
+                ("reshard ceil", "gpt2", {}, "ceil split (torch.chunk), regular grid", None),
+                ("reshard gcd", "gpt2-balanced", {"grid": "regular"}, "balanced split, gcd grid", 1)]
+        for system, workload, extra, note, reps in runs:
+            url = self.dir(f"gpt2-{system.replace(' ', '-')}")
+            args = {"workload": workload, "cfg": cfg, "mesh": [8], "url": url, **extra}
+            m = self.group(label, phase, system, "bench.tasks_reshard:Save", 8, args, size, note, reps=reps,
+                           warmup=0 if reps else None)
+            files = files_under(url)
+            m.extra["objects"] = len(files)
+            m.extra["shard_objects"] = sum(f"{os.sep}wte{os.sep}c{os.sep}" in f for f in files)
+            self.rows[-1].note += f"; {len(files)} objects, {m.extra['shard_objects']} of them shards"
+            shutil.rmtree(url, ignore_errors=True)
+
     # --------------------------------------------------------------- async
     def async_save(self) -> None:
         """Time blocked in ``save`` for one rank's W1 piece (W1 cut 8 ways: 128 MiB), every system side by side."""
@@ -296,6 +317,7 @@ class Runner:
     def all(self) -> list[Row]:
         only = self.opts.only
         steps = [("w1", lambda: self.w1(self.opts.cfg["w1"])), ("w3", self.w3), ("w2", self.w2), ("w4", self.w4),
+                 ("gpt2", self.gpt2),
                  ("scale", self.scale_ranks), ("scale", self.scale_size), ("async", self.async_save)]
         for key, step in steps:
             if key in only:

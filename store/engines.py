@@ -8,6 +8,8 @@ libraries; the tests run every round trip through all of them.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -45,7 +47,18 @@ def kvstore_spec(storage: Storage, path: str) -> dict[str, Any]:
 
 
 def tensorstore_array(storage: Storage, meta: ArrayMeta, write: bool = False) -> Any:
-    """Open one stored tensor with TensorStore (without touching its metadata on write)."""
+    """Open one stored tensor with TensorStore (without touching its metadata on write).
+
+    Raises
+    ------
+    FormatError
+        For a tensor on a rectilinear chunk grid, which TensorStore's zarr3 driver cannot read.
+    """
+    if meta.edges is not None:
+        raise FormatError(
+            f"tensor {meta.name!r} of {storage.url}: its shards lie on zarr's rectilinear chunk grid (one shard per "
+            "block of an uneven layout), which TensorStore cannot read or write; read it with engine='fast' (or "
+            "zarr-python >= 3.2), or save with grid='regular' for TensorStore")
     import tensorstore as ts
 
     spec: dict[str, Any] = {"driver": "zarr3", "kvstore": kvstore_spec(storage, meta.path)}
@@ -58,15 +71,43 @@ def tensorstore_array(storage: Storage, meta: ArrayMeta, write: bool = False) ->
 
 
 def zarr_array(storage: Storage, meta: ArrayMeta) -> Any:
-    """Open one stored tensor with zarr-python (read only)."""
+    """Open one stored tensor with zarr-python (read only); for a rectilinear one, see :func:`zarr_config`."""
     import zarr
 
-    if storage.local:
-        store: Any = zarr.storage.LocalStore(storage.root, read_only=True)
-    else:
-        store = zarr.storage.FsspecStore.from_url(storage.url, read_only=True,
-                                                  storage_options=getattr(storage.fs, "storage_options", None))
-    return zarr.open_array(store=store, path=meta.path, mode="r")
+    with zarr_config(meta):
+        if storage.local:
+            store: Any = zarr.storage.LocalStore(storage.root, read_only=True)
+        else:
+            store = zarr.storage.FsspecStore.from_url(storage.url, read_only=True,
+                                                      storage_options=getattr(storage.fs, "storage_options", None))
+        return zarr.open_array(store=store, path=meta.path, mode="r")
+
+
+@contextlib.contextmanager
+def zarr_config(meta: ArrayMeta, url: str = "") -> Iterator[None]:
+    """zarr-python's configuration for reading ``meta``'s array.
+
+    A tensor on a rectilinear chunk grid needs zarr-python >= 3.2 and its
+    ``array.rectilinear_chunks`` option (experimental there), turned on here.
+
+    Raises
+    ------
+    FormatError
+        For a rectilinear tensor with a zarr-python that cannot read it.
+    """
+    import zarr
+
+    if meta.edges is None:
+        yield
+        return
+    options = zarr.config.get("array", {})
+    if not isinstance(options, dict) or "rectilinear_chunks" not in options:
+        raise FormatError(
+            f"tensor {meta.name!r}{' of ' + url if url else ''}: its shards lie on zarr's rectilinear chunk grid, "
+            f"which zarr-python {zarr.__version__} cannot read (3.2 or newer can, on Python >= 3.12); "
+            "read it with engine='fast'")
+    with zarr.config.set({"array.rectilinear_chunks": True}):
+        yield
 
 
 def read_with_engine(ckpt: Fetcher, meta: ArrayMeta, region: Region) -> np.ndarray:
@@ -74,7 +115,8 @@ def read_with_engine(ckpt: Fetcher, meta: ArrayMeta, region: Region) -> np.ndarr
     if ckpt.engine == "tensorstore":
         arr = tensorstore_array(ckpt.storage, meta)
         return np.asarray(arr[region].read().result())
-    return np.asarray(zarr_array(ckpt.storage, meta)[region])
+    with zarr_config(meta, ckpt.url):
+        return np.asarray(zarr_array(ckpt.storage, meta)[region])
 
 
 def write_with_tensorstore(storage: Storage, meta: ArrayMeta, region: Region, data: np.ndarray) -> None:

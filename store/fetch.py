@@ -8,7 +8,6 @@ chunk reads into few requests and runs them on the storage's thread pool.
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 from reshard.layouts.errors import FormatError, StorageError
@@ -98,18 +97,18 @@ class Fetcher:
         its bytes are returned (keyed by shard key) for this call only, with
         the bytes of each request made.
         """
-        wanted: dict[str, ArrayMeta] = {}
+        wanted: dict[str, tuple[ArrayMeta, tuple[int, ...]]] = {}
         for (meta, _, _), shards in zip(jobs, keys, strict=True):
             if meta.shape:
-                for _, key in shards:
+                for shard, key in shards:
                     if key not in self.indexes:
-                        wanted[key] = meta
+                        wanted[key] = (meta, shard)
         blobs: dict[str, memoryview] = {}
-        shard_bytes = {k: math.prod(m.shard) * m.np_dtype.itemsize for k, m in wanted.items()}
+        shard_bytes = {k: m.shard_nbytes(i) for k, (m, i) in wanted.items()}
         small = {k: n <= self.small_shard_bytes for k, n in shard_bytes.items()}
 
-        def fetch(key: str, meta: ArrayMeta) -> int:
-            n = meta.index_nbytes()
+        def fetch(key: str, meta: ArrayMeta, shard: tuple[int, ...]) -> int:
+            n = meta.index_nbytes(shard)
             try:
                 if small[key]:
                     blob = memoryview(self.storage.read(key))
@@ -122,11 +121,11 @@ class Fetcher:
                 raise FormatError(f"tensor {meta.name!r}: shard {key!r} is missing from {self.url}") from None
             except StorageError as e:
                 raise StorageError(f"tensor {meta.name!r}: {e}") from e
-            self.indexes[key] = decode_index(data, meta, key)
+            self.indexes[key] = decode_index(data, meta, key, shard)
             return size
 
-        sizes = pool.run_batched([functools.partial(fetch, k, m) for k, m in wanted.items()],
-                                 [shard_bytes[k] if small[k] else m.index_nbytes() for k, m in wanted.items()],
+        sizes = pool.run_batched([functools.partial(fetch, k, *w) for k, w in wanted.items()],
+                                 [shard_bytes[k] if small[k] else m.index_nbytes(i) for k, (m, i) in wanted.items()],
                                  self.storage.local)
         return blobs, sizes
 

@@ -93,7 +93,7 @@ def copy_task(task: CopyTask) -> IOStats:
 
 
 def _write_shard(storage: Storage, meta: ArrayMeta, idx: tuple[int, ...], data: np.ndarray) -> None:
-    storage.write(meta.shard_key(idx), encode_shard(data, meta))
+    storage.write(meta.shard_key(idx), encode_shard(data, meta, idx))
 
 
 def redivide(src: str | Checkpoint, dst: str, layouts: LayoutSpec, *, scheduler: Any = None,

@@ -37,6 +37,7 @@ from reshard.layouts.errors import (
 )
 
 from .format.consolidated import root_document
+from .format.grid import Grid, allowed_grids, choose_grid
 from .format.meta import (
     COMMIT_KEY,
     FORMAT_VERSION,
@@ -45,7 +46,6 @@ from .format.meta import (
     ArrayMeta,
     escape_component,
     group_json,
-    shard_shape,
 )
 from .format.schema import check_component, check_manifest, check_names, loads_json, marker_fields, with_digest
 from .io import pool
@@ -373,24 +373,29 @@ def merge_manifests(url: str, manifests: dict[int, dict[str, Any]], *,
                 continue
             seen[name] = (rank, t)
             layout = Layout.from_json(t["layout"])
-            shard = _shard_of(url, name, layout, t.get("shard"))
-            metas[name] = ArrayMeta(name=name, shape=tuple(layout.shape), dtype=t["dtype"], shard=shard,
+            grid = _grid_of(url, name, layout, t.get("shard"), t.get("edges"))
+            metas[name] = ArrayMeta(name=name, shape=tuple(layout.shape), dtype=t["dtype"], shard=grid.shard,
                                     chunk=tuple(t["chunk"]), layout=layout, checksums=t["checksums"],
-                                    compressor=t["compressor"], origin=layout.origin)
+                                    compressor=t["compressor"], origin=layout.origin, edges=grid.edges)
     check_names(metas, {n: m.path for n, m in metas.items()}, url)
     return metas, leaves
 
 
-def _shard_of(url: str, name: str, layout: Layout, recorded: Any) -> tuple[int, ...]:
-    """The shard shape a manifest records (checked to be one of the layout's two grids), else the per-rank grid."""
-    per_rank = shard_shape(layout)
-    if recorded is None or tuple(recorded) == per_rank:
-        return per_rank
-    single = shard_shape(layout, single_writer=True)
-    if tuple(recorded) != single:
-        raise FormatError(f"{url}: tensor {name!r}: manifest records shard shape {list(recorded)}, "
-                          f"layout {layout.describe()} allows {sorted({per_rank, single})}")
-    return single
+def _grid_of(url: str, name: str, layout: Layout, shard: Any, edges: Any) -> Grid:
+    """The shard grid a manifest records, checked to be one the layout allows (see
+    :func:`reshard.store.format.grid.choose_grid`); a manifest without one: the per-rank grid."""
+    allowed = allowed_grids(layout)
+    if shard is None:  # manifests written before grids were recorded: the gcd grid
+        return choose_grid(layout, "regular")
+    try:
+        want = (tuple(shard), None if edges is None else tuple(tuple(e) for e in edges))
+    except TypeError:
+        want = None
+    for grid in allowed:
+        if (grid.shard, grid.edges) == want:
+            return grid
+    raise FormatError(f"{url}: tensor {name!r}: manifest records shard shape {shard!r} (edges {edges!r}); "
+                      f"layout {layout.describe()} allows {sorted({str(g.edges or list(g.shard)) for g in allowed})}")
 
 
 def read_json(storage: Storage, key: str) -> Any:

@@ -32,13 +32,13 @@ from reshard.layouts.errors import (
 )
 
 from .format.dtypes import dtype_name
+from .format.grid import choose_grid
 from .format.meta import (
     DEFAULT_CHUNK_BYTES,
     FORMAT_VERSION,
     MIN_CHUNK_BYTES,
     ArrayMeta,
     inner_chunk_shape,
-    shard_shape,
     tensor_path,
 )
 from .format.schema import check_names, with_digest
@@ -65,10 +65,17 @@ class CheckpointWriter:
         save_id: str | int | None = None,
         storage_options: dict[str, Any] | None = None,
         engine: str = "fast",
+        grid: str = "auto",
     ) -> None:
         if engine not in ("fast", "tensorstore"):
             raise ValueError(f"writer engine must be 'fast' or 'tensorstore', got {engine!r}")
+        if grid not in ("auto", "exact", "regular"):
+            raise ValueError(f"grid must be 'auto', 'exact' or 'regular', got {grid!r}")
+        if grid == "exact" and engine == "tensorstore":
+            raise ValueError("grid='exact' needs engine='fast': TensorStore cannot write rectilinear chunk grids")
         self.engine = engine
+        #: How irregular layouts are sharded: ``"exact"`` (rectilinear, one shard per block) or ``"regular"``.
+        self.grid = ("regular" if engine == "tensorstore" else "exact") if grid == "auto" else grid
         if compression not in (None, "zstd"):
             raise ValueError(f"compression must be None or 'zstd', got {compression!r}")
         self.root = Storage(url, storage_options)
@@ -119,10 +126,11 @@ class CheckpointWriter:
         """The array record a tensor will be stored with.
 
         ``single_writer``: one process writes every shard of the tensor (see
-        :func:`reshard.store.format.meta.shard_shape`); the shard shape is then
+        :func:`reshard.store.format.grid.choose_grid`). The shard grid is
         recorded in the manifests.
         """
-        shard = shard_shape(layout, single_writer)
+        grid = choose_grid(layout, self.grid, single_writer)
+        shard = grid.shard
         itemsize = np.dtype(_np(dtype)).itemsize
         size = math.prod(shard) * itemsize
         # A small shard is one chunk: readers fetch it whole anyway (SMALL_SHARD_BYTES),
@@ -133,11 +141,12 @@ class CheckpointWriter:
             shape=tuple(layout.shape),
             dtype=dtype,
             shard=shard,
-            chunk=inner_chunk_shape(shard, itemsize, target),
+            chunk=inner_chunk_shape(grid.divisor(), itemsize, target),
             layout=layout,
             checksums=self.checksums,
             compressor=self.compression,
             origin=layout.origin,
+            edges=grid.edges,
         )
 
     # -------------------------------------------------------------- write
@@ -222,7 +231,7 @@ class CheckpointWriter:
                                             for s, r in zip(sreg, region, strict=True))
             sub = local[(*within, ...)]  # the Ellipsis keeps a 0-d piece an array
             key = meta.shard_key(idx)
-            jobs.append(lambda key=key, sub=sub: self.storage.write(key, encode_shard(sub, meta)))
+            jobs.append(lambda key=key, sub=sub, idx=idx: self.storage.write(key, encode_shard(sub, meta, idx)))
         return jobs
 
     def _manifest(self, rank: int, metas: dict[str, ArrayMeta], leaves: dict[str, Any]) -> dict[str, Any]:
@@ -237,6 +246,7 @@ class CheckpointWriter:
                     "dtype": m.dtype,
                     "chunk": list(m.chunk),
                     "shard": list(m.shard),
+                    **({"edges": [list(e) for e in m.edges]} if m.edges is not None else {}),
                     "checksums": m.checksums,
                     "compressor": m.compressor,
                     "layout": m.layout.to_json(),
@@ -302,6 +312,14 @@ def create(url: str, layouts: LayoutSpec, **options: Any) -> CheckpointWriter:
         commits. ``shapes`` (needed with a rule), ``compression`` (None or
         ``"zstd"``), ``checksums``, ``chunk_bytes``, ``storage_options``,
         ``engine`` (``"fast"`` or ``"tensorstore"``): see :class:`CheckpointWriter`.
+        ``grid``: how a tensor whose layout is not a regular grid of blocks
+        (OneFlow balanced splits, Megatron blocks) is sharded: ``"exact"``, one
+        shard per block on zarr's rectilinear chunk grid (zarr-python >= 3.2
+        reads it, TensorStore and zarr-python 3.1 do not); ``"regular"``, the
+        gcd grid every zarr v3 reader reads (one shard per gcd of the block
+        boundaries: many small objects); ``"auto"`` (default), ``"exact"``, or
+        ``"regular"`` with ``engine="tensorstore"``. Regular layouts always get
+        one shard per block on a regular grid. See docs/format.md.
 
     Raises
     ------

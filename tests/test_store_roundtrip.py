@@ -183,10 +183,15 @@ def test_megatron_explicit_blocks_and_save_pieces(tmp_path):
     pieces = {r: {"t": arr[lay.region(r)]} for r in lay.ranks}
     rs.save_pieces(pieces, tmp_path / "ck", {"t": lay})
     ckpt = rs.open(tmp_path / "ck")
-    assert ckpt.arrays["t"].shard == (2, 3)  # gcd of the block boundaries
+    assert ckpt.arrays["t"].edges == ((4, 6), (3, 3))  # the rectilinear grid of the block boundaries
     np.testing.assert_array_equal(ckpt["t"].read(), arr)
     shard_files = list((pathlib.Path(ckpt.zarr_url) / "t").rglob("c/*/*"))
-    assert len(shard_files) == 10  # every 2x3 cell once: the replica (rank 3) wrote nothing
+    assert len(shard_files) == 4  # rank 0's block is two cells, ranks 1 and 2 one each; the replica wrote nothing
+    rs.save_pieces(pieces, tmp_path / "gcd", {"t": lay}, grid="regular")
+    ckpt = rs.open(tmp_path / "gcd")
+    assert ckpt.arrays["t"].shard == (2, 3) and ckpt.arrays["t"].edges is None  # gcd of the block boundaries
+    np.testing.assert_array_equal(ckpt["t"].read(), arr)
+    assert len(list((pathlib.Path(ckpt.zarr_url) / "t").rglob("c/*/*"))) == 10  # every 2x3 cell once
 
 
 def test_rule_layouts_need_shapes_per_rank(tmp_path):

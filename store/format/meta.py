@@ -7,7 +7,6 @@ version of every rule in this module.
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 import re
 from collections.abc import Callable, Iterator
@@ -19,6 +18,7 @@ from reshard.layouts import Layout
 from reshard.layouts.errors import BadNameError, FormatError
 
 from .dtypes import numpy_dtype
+from .grid import Grid, allowed_grids
 from .schema import check_array
 
 #: Version of the reshard layer on top of zarr v3 (attributes, marker, manifests).
@@ -84,35 +84,12 @@ def stored_name(path: str, where: str) -> str:
 
 
 # --------------------------------------------------------------- chunk grids
-def shard_shape(layout: Layout, single_writer: bool = False) -> tuple[int, ...]:
-    """Return the zarr chunk (= shard) shape for a saving layout.
-
-    A regular layout uses one writer block as the shard. A layout whose blocks
-    are not the cells of a regular grid (balanced splits, explicit blocks) uses,
-    per dim, the gcd of all block boundaries: every shard then lies inside
-    exactly one block, so every shard object still has exactly one writer.
-
-    With ``single_writer`` (one process writes the whole tensor, e.g.
-    :func:`reshard.store.redivide`) an irregular layout gets the regular grid
-    of its piece count instead, ``ceil(size / pieces)`` per dim: a balanced
-    split of 256 over 7 ranks is 7 shards of up to 37, not 256 shards of 1.
-    """
-    if not layout.shape:
-        return ()
-    if layout.is_regular():
-        blocks = layout.blocks()
-        if blocks:
-            return tuple(max(1, s.stop - s.start) for s in blocks[0].region)
-        return tuple(max(1, n) for n in layout.shape)
-    if single_writer:
-        return tuple(max(1, -(-n // max(1, len(layout.boundaries(d)) - 1))) for d, n in enumerate(layout.shape))
-    return tuple(
-        max(1, math.gcd(*layout.boundaries(d))) for d in range(len(layout.shape))
-    )
-
-
 def inner_chunk_shape(shard: tuple[int, ...], itemsize: int, target: int) -> tuple[int, ...]:
     """Choose the inner chunk (read unit) inside a shard.
+
+    ``shard`` is what the chunk must divide along each dim: the shard shape, or
+    under a rectilinear grid the gcd of each dim's shard edges
+    (:meth:`reshard.store.format.grid.Grid.divisor`).
 
     Rule: keep trailing dims whole (a chunk is a run of C-order rows, so it lands
     contiguously in a destination with the same trailing extents) and take the
@@ -192,13 +169,19 @@ class ArrayMeta:
     shape, dtype : tuple of int, str
         Global shape and stored dtype name.
     shard, chunk : tuple of int
-        Shard (zarr chunk) shape and inner chunk shape.
+        Shard (zarr chunk) shape and inner chunk shape. Under a rectilinear
+        grid ``shard`` is the largest shard edge along each dim.
     layout : Layout
         The layout the tensor was saved with.
     checksums : bool
         Whether every inner chunk ends with a crc32c.
     compressor : str or None
         ``"zstd"`` or None.
+    origin : JSON, optional
+        Where the layout came from (framework details), stored with it.
+    edges : tuple of tuple of int, optional
+        Rectilinear shard grid: each dim's shard edge lengths (see
+        :mod:`reshard.store.format.grid`); None for a regular grid.
     source : callable, optional
         For a deferred record: returns the full record.
     """
@@ -212,6 +195,7 @@ class ArrayMeta:
     checksums: _Deferred[bool] = _Deferred(True)
     compressor: _Deferred[str | None] = _Deferred(None)
     origin: _Deferred[Any] = _Deferred(None)
+    edges: _Deferred[tuple[tuple[int, ...], ...] | None] = _Deferred(None)
     source: Callable[[], ArrayMeta] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -249,8 +233,12 @@ class ArrayMeta:
         if len(shard) != len(self.shape) or len(chunk) != len(self.shape):
             raise FormatError(f"tensor {self.name!r}: shard {list(shard)} or chunk {list(chunk)} does not match "
                               f"the rank of shape {list(self.shape)}")
-        if any(k < 1 or s % k for s, k in zip(shard, chunk, strict=True)):
-            raise FormatError(f"tensor {self.name!r}: inner chunk {list(chunk)} does not divide shard {list(shard)}")
+        if self.edges is not None and any(sum(e) != n for e, n in zip(self.edges, self.shape, strict=True)):
+            raise FormatError(f"tensor {self.name!r}: rectilinear shard edges {[list(e) for e in self.edges]} "
+                              f"do not add up to shape {list(self.shape)}")
+        if any(k < 1 or s % k for s, k in zip(self.chunk_grid.divisor(), chunk, strict=True)):
+            what = "every shard edge" if self.edges is not None else f"shard {list(shard)}"
+            raise FormatError(f"tensor {self.name!r}: inner chunk {list(chunk)} does not divide {what}")
         if tuple(self.layout.shape) != self.shape:
             raise FormatError(f"tensor {self.name!r}: layout is for shape {list(self.layout.shape)}, the array "
                               f"is {list(self.shape)}")
@@ -268,14 +256,26 @@ class ArrayMeta:
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.np_dtype.itemsize
 
+    @functools.cached_property
+    def chunk_grid(self) -> Grid:
+        """The shard grid (regular or rectilinear)."""
+        return Grid(self.shape, self.shard, self.edges)
+
     @property
     def grid(self) -> tuple[int, ...]:
         """Number of shards along each dim."""
-        return tuple(-(-n // s) for n, s in zip(self.shape, self.shard, strict=True))
+        return self.chunk_grid.counts
 
     @property
     def chunks_per_shard(self) -> tuple[int, ...]:
+        """Inner chunks along each dim of a regular grid's shard (the largest shard of a rectilinear one)."""
         return tuple(s // c for s, c in zip(self.shard, self.chunk, strict=True))
+
+    def chunks_in(self, index: tuple[int, ...]) -> tuple[int, ...]:
+        """Inner chunks along each dim of the shard at ``index``."""
+        if self.edges is None:
+            return self.chunks_per_shard
+        return tuple(s // c for s, c in zip(self.chunk_grid.extent(index), self.chunk, strict=True))
 
     def shard_key(self, index: tuple[int, ...]) -> str:
         """Storage key (relative to the checkpoint root) of the shard at ``index``."""
@@ -283,22 +283,20 @@ class ArrayMeta:
 
     def shard_region(self, index: tuple[int, ...]) -> tuple[slice, ...]:
         """Global region of a shard, clipped to the array."""
-        return tuple(
-            slice(i * s, min((i + 1) * s, n))
-            for i, s, n in zip(index, self.shard, self.shape, strict=True)
-        )
+        return self.chunk_grid.region(index)
 
     def shards_in(self, region: tuple[slice, ...]) -> Iterator[tuple[int, ...]]:
         """Indices of the shards that intersect a global region (C order)."""
-        ranges = [
-            range(r.start // s, -(-r.stop // s)) if r.stop > r.start else range(0)
-            for r, s in zip(region, self.shard, strict=True)
-        ]
-        yield from itertools.product(*ranges)
+        return self.chunk_grid.shards_in(region)
 
-    def index_nbytes(self) -> int:
-        """Size of a shard's index (offset/nbytes pairs plus its crc32c)."""
-        return 16 * math.prod(self.chunks_per_shard) + 4
+    def shard_nbytes(self, index: tuple[int, ...]) -> int:
+        """Bytes of the shard at ``index``, unencoded (its nominal shape: an edge shard of a regular grid is padded)."""
+        return math.prod(self.chunk_grid.extent(index)) * self.np_dtype.itemsize
+
+    def index_nbytes(self, index: tuple[int, ...] | None = None) -> int:
+        """Size of a shard's index (offset/nbytes pairs plus its crc32c); a rectilinear grid needs ``index``."""
+        per = self.chunks_per_shard if index is None or self.edges is None else self.chunks_in(index)
+        return 16 * math.prod(per) + 4
 
     def to_zarr_json(self) -> dict[str, Any]:
         """The array's ``zarr.json`` document (zarr v3, sharding_indexed)."""
@@ -333,10 +331,7 @@ class ArrayMeta:
             "node_type": "array",
             "shape": list(self.shape),
             "data_type": self.dtype,
-            "chunk_grid": {
-                "name": "regular",
-                "configuration": {"chunk_shape": list(self.shard) if self.shape else []},
-            },
+            "chunk_grid": self.chunk_grid.to_json(),
             "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
             "fill_value": fill,
             "codecs": codecs,
@@ -349,8 +344,9 @@ class ArrayMeta:
     def from_zarr_json(cls, name: str, doc: dict[str, Any], where: str = "zarr.json") -> ArrayMeta:
         """Read back :meth:`to_zarr_json`, strictly (see :func:`reshard.store.format.schema.check_array`).
 
-        The shard shape must also be one of the grids its layout allows
-        (:func:`shard_shape`): an edited grid would read other shards' bytes.
+        The shard grid must also be one of the grids its layout allows
+        (:func:`reshard.store.format.grid.choose_grid`): an edited grid would
+        read other shards' bytes.
 
         Raises
         ------
@@ -359,11 +355,15 @@ class ArrayMeta:
         """
         f = check_array(name, doc, where)
         layout = f["layout"]
-        if f["shape"] and f["shard"] not in (shard_shape(layout), shard_shape(layout, single_writer=True)):
-            raise FormatError(f"{where}: tensor {name!r}: shard shape {list(f['shard'])} is not a grid of its "
-                              f"layout {layout.describe()}")
+        if f["shape"]:
+            allowed = allowed_grids(layout)
+            if not any((g.shard, g.edges) == (f["shard"], f["edges"]) for g in allowed):
+                grid = [list(e) for e in f["edges"]] if f["edges"] is not None else list(f["shard"])
+                raise FormatError(f"{where}: tensor {name!r}: shard grid {grid} is not a grid of its "
+                                  f"layout {layout.describe()}")
         return cls(name=name, shape=f["shape"], dtype=f["dtype"], shard=f["shard"], chunk=f["chunk"],
-                   layout=layout, checksums=f["checksums"], compressor=f["compressor"], origin=f["origin"])
+                   layout=layout, checksums=f["checksums"], compressor=f["compressor"], origin=f["origin"],
+                   edges=f["edges"])
 
 
 def dimension_names(name: str, ndim: int) -> list[str]:

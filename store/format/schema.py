@@ -13,8 +13,8 @@ The checks are cheap per document; the consolidated metadata is checked as a
 whole at open (types, ``node_type``, the hierarchy), each array document when
 its tensor is parsed, and everything again by ``reshard verify``.
 
-This module imports no other part of ``store.format`` but :mod:`.dtypes`
-(``meta`` imports it), so any reader can use it.
+This module imports no other part of ``store.format`` but :mod:`.dtypes` and
+:mod:`.grid` (``meta`` imports it), so any reader can use it.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from reshard.layouts import Layout
 from reshard.layouts.errors import BadNameError, FormatError
 
 from .dtypes import SUPPORTED
+from .grid import Grid
 
 #: Longest name component (bytes) a file system takes (ext4, xfs, APFS, NTFS: 255).
 MAX_COMPONENT_BYTES = 255
@@ -288,11 +289,8 @@ def check_array(name: str, doc: Any, where: str) -> dict[str, Any]:
                           f"node_type {doc.get('node_type')!r})")
     shape = int_list(get(doc, "shape", at), at, "shape")
     dtype = dtype_of(get(doc, "data_type", at), at)
-    grid = get(doc, "chunk_grid", at)
-    if not isinstance(grid, dict) or grid.get("name") != "regular":
-        raise _fail(at, "chunk_grid", "a regular chunk grid", grid)
-    shard = int_list(get(grid, "configuration", at).get("chunk_shape") if isinstance(grid.get("configuration"), dict)
-                     else None, at, "chunk_grid.configuration.chunk_shape", minimum=1, length=len(shape))
+    grid = grid_of(get(doc, "chunk_grid", at), shape, at)
+    shard = grid.shard
     encoding = doc.get("chunk_key_encoding")
     if encoding != {"name": "default", "configuration": {"separator": "/"}}:
         raise _fail(at, "chunk_key_encoding", "the default encoding with separator '/'", encoding)
@@ -305,8 +303,9 @@ def check_array(name: str, doc: Any, where: str) -> dict[str, Any]:
                 or set(cfg) != _SHARD_CONFIG or cfg["index_location"] != "end" or cfg["index_codecs"] != _INDEX_CODECS):
             raise _fail(at, "codecs", "one sharding_indexed codec (index at the end, with crc32c)", codecs)
         chunk = int_list(cfg["chunk_shape"], at, "chunk_shape", minimum=1, length=len(shape))
-        if any(s % c for s, c in zip(shard, chunk, strict=True)):
-            raise FormatError(f"{at}: chunk {list(chunk)} does not divide shard {list(shard)}")
+        if any(s % c for s, c in zip(grid.divisor(), chunk, strict=True)):
+            what = f"shard {list(shard)}" if grid.edges is None else "every shard edge"
+            raise FormatError(f"{at}: chunk {list(chunk)} does not divide {what}")
         inner = cfg["codecs"]
     else:
         chunk, inner = (), codecs
@@ -320,8 +319,27 @@ def check_array(name: str, doc: Any, where: str) -> dict[str, Any]:
     origin = rs.get("origin")
     if origin is not None and not isinstance(origin, dict):
         raise _fail(at, "attributes.reshard.origin", "an object or null", origin)
-    return {"shape": shape, "dtype": dtype, "shard": shard, "chunk": chunk, "layout": layout,
+    return {"shape": shape, "dtype": dtype, "shard": shard, "edges": grid.edges, "chunk": chunk, "layout": layout,
             "checksums": "crc32c" in names, "compressor": "zstd" if "zstd" in names else None, "origin": origin}
+
+
+def grid_of(doc: Any, shape: tuple[int, ...], at: str) -> Grid:
+    """An array's ``chunk_grid``: regular, or rectilinear with edges adding up to the shape."""
+    if not isinstance(doc, dict) or doc.get("name") not in ("regular", "rectilinear") \
+            or not isinstance(doc.get("configuration"), dict):
+        raise _fail(at, "chunk_grid", "a regular or rectilinear chunk grid", doc)
+    if doc["name"] == "regular":
+        int_list(doc["configuration"].get("chunk_shape"), at, "chunk_grid.configuration.chunk_shape", minimum=1,
+                 length=len(shape))
+    try:
+        grid = Grid.from_json(shape, doc)
+    except FormatError as e:
+        raise FormatError(f"{at}: {e}") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise _fail(at, "chunk_grid", f"a valid {doc['name']} chunk grid ({e})", doc) from None
+    if grid.edges is not None and any(sum(e) != n for e, n in zip(grid.edges, shape, strict=True)):
+        raise _fail(at, "chunk_grid", f"rectilinear edges that add up to shape {list(shape)}", doc)
+    return grid
 
 
 def check_group(doc: Any, where: str) -> None:

@@ -220,6 +220,12 @@ def _cuts(r: slice, step: int) -> list[tuple[int, int]]:
     return list(itertools.pairwise(bounds))
 
 
+def _cuts_at(r: slice, bounds: tuple[int, ...]) -> list[tuple[int, int]]:
+    if r.stop <= r.start:
+        return [(r.start, r.start)]
+    return list(itertools.pairwise([r.start, *(b for b in bounds if r.start < b < r.stop), r.stop]))
+
+
 def to_dask(tensor: LazyTensor, chunks: Any = None) -> Any:
     """A lazy ``dask.array.Array`` over a stored tensor or a view of it.
 
@@ -244,7 +250,10 @@ def to_dask(tensor: LazyTensor, chunks: Any = None) -> Any:
     meta, region, keep = tensor.meta, tensor.region, tensor.keep
     step = chunk_step(meta, chunks, tensor.ndim, keep)
     source = source_of(tensor.ckpt)
-    cuts = [_cuts(r, s) for r, s in zip(region, step, strict=True)]
+    if chunks == "shard" and meta.edges is not None:  # a rectilinear grid: its own shard bounds
+        cuts = [_cuts_at(r, b) for r, b in zip(region, meta.chunk_grid.bounds, strict=True)]
+    else:
+        cuts = [_cuts(r, s) for r, s in zip(region, step, strict=True)]
     name = f"reshard-{meta.name}-{tokenize(source.token, meta.name, region, keep, step)}"
     dsk: dict[Any, Any] = {}
     for idx in np.ndindex(*(len(c) for c in cuts)):

@@ -1,0 +1,251 @@
+"""Chunk (= shard) grids: which shards a saving layout gets, and how to find them.
+
+Two zarr v3 grids:
+
+* ``regular`` (zarr v3 core): every shard has one shape, edge shards are cut by
+  the array's end. Every zarr v3 reader reads it.
+* ``rectilinear`` (zarr-extensions, ``chunk-grids/rectilinear``): per dimension a
+  list of edge lengths, so shards may differ in size. zarr-python >= 3.2 reads it
+  (behind its ``array.rectilinear_chunks`` option); zarr-python 3.1 and
+  TensorStore do not. reshard's own reader reads both.
+
+Which one a layout gets (:func:`choose_grid`):
+
+* A **regular** layout (its blocks are the cells of a regular grid) uses one
+  block as the shard: one shard per block, any reader.
+* An **irregular** layout (OneFlow ``balanced`` splits with a remainder, nested
+  ``ceil`` splits, explicit Megatron blocks) written by its ranks uses, with
+  ``grid="exact"`` (the default), the **rectilinear** grid of its block
+  boundaries: per dimension, the edge lengths between consecutive distinct block
+  starts/stops. Blocks that tile the array as a product grid (every balanced or
+  ``ceil`` split) are then one shard each; any other block set is cut into as
+  few shards as its boundaries allow, each inside one block (one writer per
+  object still holds). With ``grid="regular"`` it uses the **gcd grid** (per
+  dimension the gcd of every boundary): readable by every zarr v3 tool, but a
+  balanced split of 50,257 rows over 8 ranks is then 50,257 one-row shards.
+* An irregular layout written by **one process** (``single_writer``, e.g.
+  :func:`reshard.store.redivide`) uses the regular grid of its piece count,
+  ``ceil(size / pieces)`` per dimension, whatever ``grid`` says: one writer
+  holds every shard anyway, and the regular grid keeps larger inner chunks.
+
+The inner chunk must divide every shard edge, so under a rectilinear grid it
+divides the gcd of each dimension's edge lengths (a balanced split's edges
+differ by one: whole rows, or one row, per inner chunk).
+
+Pure functions and records; no I/O.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import itertools
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from reshard.layouts import Layout
+from reshard.layouts.errors import FormatError
+
+#: ``grid=`` values accepted by the writer.
+GRID_CHOICES = ("exact", "regular")
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The shard grid of one stored array.
+
+    Attributes
+    ----------
+    shape : tuple of int
+        The array's shape.
+    shard : tuple of int
+        Regular grid: the shard shape. Rectilinear: the largest edge per dimension.
+    edges : tuple of tuple of int, or None
+        Rectilinear grid: the edge lengths along each dimension (they add up to
+        the array's extent); None for a regular grid.
+    """
+
+    shape: tuple[int, ...]
+    shard: tuple[int, ...]
+    edges: tuple[tuple[int, ...], ...] | None = None
+
+    @property
+    def regular(self) -> bool:
+        return self.edges is None
+
+    @functools.cached_property
+    def bounds(self) -> tuple[tuple[int, ...], ...]:
+        """Rectilinear grid: per dimension the shard starts and the extent, ``(0, e0, e0 + e1, ..., n)``."""
+        assert self.edges is not None
+        return tuple((0, *itertools.accumulate(e)) for e in self.edges)
+
+    @functools.cached_property
+    def counts(self) -> tuple[int, ...]:
+        """Number of shards along each dimension."""
+        if self.edges is not None:
+            return tuple(len(e) for e in self.edges)
+        return tuple(-(-n // s) for n, s in zip(self.shape, self.shard, strict=True))
+
+    def start(self, dim: int, i: int) -> int:
+        """Global start of shard ``i`` along ``dim``."""
+        return i * self.shard[dim] if self.edges is None else self.bounds[dim][i]
+
+    def extent(self, index: tuple[int, ...]) -> tuple[int, ...]:
+        """Nominal shape of the shard at ``index`` (a regular grid's edge shard is not cut here: zarr pads it)."""
+        if self.edges is None:
+            return self.shard
+        return tuple(e[i] for e, i in zip(self.edges, index, strict=True))
+
+    def region(self, index: tuple[int, ...]) -> tuple[slice, ...]:
+        """Global region of the shard at ``index``, clipped to the array."""
+        if self.edges is None:
+            return tuple(slice(i * s, min((i + 1) * s, n))
+                         for i, s, n in zip(index, self.shard, self.shape, strict=True))
+        return tuple(slice(b[i], min(b[i + 1], n)) for b, i, n in zip(self.bounds, index, self.shape, strict=True))
+
+    def indices(self, dim: int, start: int, stop: int) -> range:
+        """Shard indices along ``dim`` that meet ``[start, stop)``."""
+        if stop <= start:
+            return range(0)
+        if self.edges is None:
+            s = self.shard[dim]
+            return range(start // s, -(-stop // s))
+        b = self.bounds[dim]
+        return range(bisect.bisect_right(b, start) - 1, bisect.bisect_left(b, stop))
+
+    def shards_in(self, region: tuple[slice, ...]) -> Iterator[tuple[int, ...]]:
+        """Indices of the shards that meet a global region (C order)."""
+        yield from itertools.product(*(self.indices(d, r.start, r.stop) for d, r in enumerate(region)))
+
+    def divisor(self) -> tuple[int, ...]:
+        """Per dimension, what every inner chunk edge must divide: the shard edge, or the gcd of the edges."""
+        if self.edges is None:
+            return self.shard
+        return tuple(math.gcd(*e) for e in self.edges)
+
+    # ------------------------------------------------------------------ json
+    def to_json(self) -> dict[str, Any]:
+        """The ``chunk_grid`` member of the array's ``zarr.json``."""
+        if self.edges is None:
+            return {"name": "regular", "configuration": {"chunk_shape": list(self.shard) if self.shape else []}}
+        return {"name": "rectilinear", "configuration": {"kind": "inline", "chunk_shapes": [
+            _run_length(e) for e in self.edges]}}
+
+    @classmethod
+    def from_json(cls, shape: tuple[int, ...], doc: Any) -> Grid:
+        """Parse a ``chunk_grid`` member (regular or rectilinear).
+
+        Raises
+        ------
+        FormatError
+            For another grid, or edge lengths that do not cover the array.
+        KeyError, TypeError, ValueError
+            For a malformed document (the caller names the tensor).
+        """
+        name, cfg = doc["name"], doc["configuration"]
+        if name == "regular":
+            shard = tuple(int(c) for c in cfg["chunk_shape"])
+            if len(shard) != len(shape) or any(c < 1 for c in shard):
+                raise ValueError(f"chunk_shape {list(shard)} for shape {list(shape)}")
+            return cls(shape, shard)
+        if name != "rectilinear":
+            raise FormatError(f"unsupported chunk grid {name!r} (reshard reads 'regular' and 'rectilinear')")
+        if cfg.get("kind") != "inline":
+            raise FormatError(f"unsupported rectilinear grid kind {cfg.get('kind')!r}")
+        specs = cfg["chunk_shapes"]
+        if not isinstance(specs, list) or len(specs) != len(shape):
+            raise ValueError(f"chunk_shapes {specs!r} for shape {list(shape)}")
+        edges = tuple(_expand(spec, n) for spec, n in zip(specs, shape, strict=True))
+        return cls(shape, tuple(max(e, default=1) for e in edges), edges)
+
+
+def _run_length(edges: tuple[int, ...]) -> list[Any]:
+    """Edge lengths as the extension writes them: runs of a repeated length as ``[length, count]``."""
+    out: list[Any] = []
+    for length, run in itertools.groupby(edges):
+        count = len(list(run))
+        out.append([length, count] if count > 1 else length)
+    return out
+
+
+def _expand(spec: Any, size: int) -> tuple[int, ...]:
+    """Explicit edge lengths of one dimension (an integer, or a list of lengths and ``[length, count]`` runs).
+
+    Edges past the array's end (the extension allows overflow) are dropped;
+    reshard writes edges that add up to the extent exactly.
+    """
+    if isinstance(spec, int) and not isinstance(spec, bool):
+        if spec < 1:
+            raise ValueError(f"edge length {spec}")
+        return tuple(min(spec, size - s) for s in range(0, size, spec)) or (spec,)
+    if not isinstance(spec, list):
+        raise ValueError(f"edge lengths {spec!r}")
+    edges: list[int] = []
+    for item in spec:
+        if isinstance(item, list):
+            length, count = item
+            edges += [int(length)] * int(count)
+        else:
+            edges.append(int(item))
+    if any(e < 1 for e in edges) or sum(edges) < size:
+        raise ValueError(f"edge lengths {spec!r} do not cover extent {size}")
+    out: list[int] = []
+    total = 0
+    for e in edges:
+        if total >= size and out:
+            break
+        out.append(e)
+        total += e
+    return tuple(out)
+
+
+# ------------------------------------------------------------ which grid
+def allowed_grids(layout: Layout) -> list[Grid]:
+    """Every grid a tensor saved under ``layout`` may have been written with (exact, gcd, piece count).
+
+    What ``commit`` and ``open`` accept: an edited grid would read other shards' bytes.
+    """
+    if not layout.shape or layout.is_regular():
+        return [choose_grid(layout)]
+    return [choose_grid(layout, "exact", regular=False), choose_grid(layout, "regular", regular=False),
+            choose_grid(layout, single_writer=True, regular=False)]
+
+
+def choose_grid(layout: Layout, grid: str = "exact", single_writer: bool = False,
+                regular: bool | None = None) -> Grid:
+    """The shard grid a tensor saved under ``layout`` gets (see the module docstring).
+
+    Parameters
+    ----------
+    layout : Layout
+        The saving layout.
+    grid : {"exact", "regular"}
+        For an irregular layout written by its ranks: the rectilinear grid of
+        its block boundaries, or the regular gcd grid.
+    single_writer : bool
+        One process writes every shard: an irregular layout gets the regular
+        grid of its piece count.
+    regular : bool, optional
+        ``layout.is_regular()``, when the caller knows it already.
+    """
+    if grid not in GRID_CHOICES:
+        raise ValueError(f"grid must be one of {GRID_CHOICES}, got {grid!r}")
+    shape = tuple(layout.shape)
+    if not shape:
+        return Grid((), ())
+    if layout.is_regular() if regular is None else regular:
+        blocks = layout.blocks()
+        if blocks:
+            return Grid(shape, tuple(max(1, s.stop - s.start) for s in blocks[0].region))
+        return Grid(shape, tuple(max(1, n) for n in shape))
+    bounds = [layout.boundaries(d) for d in range(len(shape))]
+    if single_writer:
+        return Grid(shape, tuple(max(1, -(-n // max(1, len(b) - 1))) for n, b in zip(shape, bounds, strict=True)))
+    if grid == "regular":
+        return Grid(shape, tuple(max(1, math.gcd(*b)) for b in bounds))
+    edges = tuple(tuple(b[i + 1] - b[i] for i in range(len(b) - 1)) or (1,) for b in bounds)
+    if all(len(e) == 1 or (len(set(e[:-1])) == 1 and e[-1] <= e[0]) for e in edges):
+        return Grid(shape, tuple(e[0] for e in edges))  # the boundaries are a regular grid after all
+    return Grid(shape, tuple(max(e) for e in edges), edges)
