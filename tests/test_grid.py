@@ -261,3 +261,27 @@ def test_cli_verify_and_inspect_rectilinear(tmp_path: Path, capsys: pytest.Captu
     shard.write_bytes(bytes(raw))
     assert main(["verify", str(tmp_path / "ck")]) == 1
     assert "'emb'" in capsys.readouterr().out
+
+
+def test_row_planner_matches_the_general_one() -> None:
+    """The one-pass planner for row chunks plans exactly what the general planner plans."""
+    from reshard.store.format.shard import _plan_chunks, plan_reads
+
+    cases = [
+        (ArrayMeta("r", (50, 6), "float32", (13, 6), (1, 6), _balanced((50, 6), 4), edges=((13, 13, 12, 12), (6,))),
+         [(slice(0, 50), slice(0, 6)), (slice(11, 40), slice(0, 6)), (slice(3, 4), slice(0, 6))]),
+        (ArrayMeta("g", (9, 6), "float32", (4, 6), (2, 6), Layout.single((9, 6))),  # edge shard, padded chunk
+         [(slice(0, 9), slice(0, 6)), (slice(5, 9), slice(0, 6))]),
+        (ArrayMeta("c", (12, 8), "float32", (6, 8), (2, 8), Layout.single((12, 8))),  # columns cut: general path
+         [(slice(0, 12), slice(2, 5))]),
+        (ArrayMeta("v", (37,), "int16", (10,), (5,), Layout.single((37,))), [(slice(0, 37),), (slice(4, 33),)]),
+    ]
+    for meta, regions in cases:
+        for region in regions:
+            dest = np.empty(tuple(r.stop - r.start for r in region), dtype=meta.np_dtype)
+            for shard in meta.shards_in(region):
+                per = meta.chunks_in(shard)
+                index = np.stack([np.arange(int(np.prod(per))) * 100, np.full(int(np.prod(per)), 100)], axis=1)
+                got = plan_reads(meta, region, index.astype("<u8"), shard, "k", dest)
+                want = _plan_chunks(meta, region, index.tolist(), shard, "k", dest)
+                assert got == want, (meta.name, region, shard)

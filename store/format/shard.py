@@ -227,6 +227,18 @@ def plan_reads(
     pairs = index.tolist()
     plain = dest is not None and meta.compressor is None
     contiguous = dest is not None and bool(dest.flags.c_contiguous)
+    if plain and contiguous:
+        rows = _plan_rows(meta, region, pairs, shard, key)
+        if rows is not None:
+            return rows
+    return _plan_chunks(meta, region, pairs, shard, key, dest)
+
+
+def _plan_chunks(meta: ArrayMeta, region: Region, pairs: list[list[int]], shard: tuple[int, ...], key: str,
+                 dest: np.ndarray | None) -> list[ChunkRead]:
+    """:func:`plan_reads` in general: every inner chunk meeting ``region``, dim by dim."""
+    plain = dest is not None and meta.compressor is None
+    contiguous = dest is not None and bool(dest.flags.c_contiguous)
     shape = dest.shape if dest is not None and contiguous else ()
     out = []
     for flat, _, src, dst, whole, run in _chunk_parts(meta, shard, region, shape):
@@ -241,6 +253,38 @@ def plan_reads(
 
 
 _MISSING = int(MISSING)
+
+
+def _plan_rows(meta: ArrayMeta, region: Region, pairs: list[list[int]], shard: tuple[int, ...],
+               key: str) -> list[ChunkRead] | None:
+    """:func:`plan_reads` when the inner chunks are runs of whole rows of the shard and ``region``
+    takes the shard's whole extent along every other dim (into a C-contiguous destination).
+
+    Then chunk ``j`` is rows ``j * chunk[0]`` on of the shard and lands as one run of the
+    destination: no per-dim combinations to build. Balanced splits on a rectilinear grid
+    have thousands of one-row chunks per shard; None when the case does not apply.
+    """
+    grid = meta.chunk_grid
+    ext = grid.extent(shard)
+    if meta.chunk[1:] != ext[1:]:
+        return None
+    for d in range(1, len(ext)):
+        start, r = grid.start(d, shard[d]), region[d]
+        if r.start != start or r.stop != start + ext[d] or r.stop > meta.shape[d]:
+            return None
+    trail = tuple(slice(0, e) for e in ext[1:])
+    r0, base, k = region[0], grid.start(0, shard[0]), meta.chunk[0]
+    lo, hi = max(r0.start, base), min(r0.stop, base + ext[0], meta.shape[0])
+    out = []
+    for j in range((lo - base) // k, -(-(hi - base) // k)) if hi > lo else ():
+        c0 = base + j * k
+        a, b = max(c0, lo), min(c0 + k, hi)
+        off, n = pairs[j]
+        if off == _MISSING:
+            raise FormatError(f"tensor {meta.name!r}: chunk {j} of {key!r} is missing inside the array")
+        out.append(ChunkRead(key, off, n, (slice(a - c0, b - c0), *trail), (slice(a - r0.start, b - r0.start), *trail),
+                             a == c0 and b == c0 + k))
+    return out
 
 
 def _view_contiguous(dest: np.ndarray | None, dst: Region) -> bool:
