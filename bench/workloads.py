@@ -268,8 +268,9 @@ class Runner:
         cfg = {**w1, "rows": w1["rows"] // 8}
         size = data.total_bytes(data.tensors("w1", cfg))
         label, phase = "async", "save of one rank's W1 piece, blocked"
-        self.group(label, phase, "np.copyto", "bench.tasks_async:CopyTo", 1, {"cfg": cfg}, size,
-                   "the same bytes into buffers allocated before timing")
+        self.group(label, phase, "np.copyto", "bench.tasks_async:CopyTo", 1,
+                   {"cfg": cfg, "url": self.dir("async-copyto")}, size,
+                   "the same bytes into buffers allocated before timing; the same bytes written before each run")
         runs = [("reshard", "async", "returns once staged"), ("reshard sync", "sync", "returns once written"),
                 ("reshard+wait", "async+wait", "save, then wait() until written")]
         for system, mode, note in runs:

@@ -17,6 +17,7 @@ no listing. Only committed steps are in the index, so ``steps()`` and
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
@@ -181,21 +182,43 @@ class CheckpointManager:
         stand_ins = self._replicas(rank, tensors)  # pieces other ranks write: never copied
         tensors = {n: v for n, v in tensors.items() if n not in stand_ins}
         leaves.update(stand_ins)
-        if self.async_save:
-            staged = self.staging.stage(rank, tensors, check=self.raise_errors)
-            try:
-                job = self._writes.submit(self._write, step, rank, {**staged.arrays, **leaves}, staged)
-            except BaseException:
-                staged.release()
-                raise
-        else:
-            job = Future()
-            self._write(step, rank, {**{n: _host(v) for n, v in tensors.items()}, **leaves}, None)
-            job.set_result(None)
+        staged = self.staging.stage(rank, tensors, check=self.raise_errors) if self.async_save else None
+        state = {**(staged.arrays if staged is not None else {n: _host(v) for n, v in tensors.items()}), **leaves}
+        written: Future[None] = Future()
+        commit: Future[StepRecord] | None = Future() if rank == self.committer_rank else None
         with self._lock:
-            self._pending = [f for f in self._pending if not f.done() or f.exception() is not None] + [job]
-            if rank == self.committer_rank:
-                self._committing[step] = self._commits.submit(self._commit, step, job, found)
+            self._pending = [f for f in self._pending if not f.done() or f.exception() is not None] + [written]
+            if commit is not None:
+                self._committing[step] = commit
+        job = functools.partial(self._write_then_commit, step, rank, state, staged, written, commit, found)
+        if staged is None:  # synchronous: this rank's failure is raised here
+            job()
+            if written.exception() is not None:
+                with self._lock:
+                    self._pending.remove(written)
+                raise written.exception()  # type: ignore[misc]
+            return
+        try:
+            self._writes.submit(job)  # the last thing save does: the writer thread may take the CPU at once
+        except BaseException as e:
+            staged.release()
+            written.set_exception(e)
+            raise
+
+    def _write_then_commit(self, step: int, rank: int, state: dict[str, Any], staged: Any, written: Future[None],
+                           commit: Future[StepRecord] | None, metrics: dict[str, float]) -> None:
+        """Background job of a save: write, then (committer rank) hand the commit to the commit thread."""
+        try:
+            self._write(step, rank, state, staged)
+        except BaseException as e:
+            written.set_exception(e)
+        else:
+            written.set_result(None)
+        if commit is not None:
+            try:
+                self._commits.submit(_settle, commit, self._commit, step, written, metrics)
+            except RuntimeError as e:  # the manager was closed under us
+                commit.set_exception(e)
 
     def _replicas(self, rank: int, tensors: dict[str, Any]) -> dict[str, np.ndarray]:
         """Zero-stride stand-ins for the pieces ``rank`` holds as a replica (replica 0 writes them)."""
@@ -348,6 +371,14 @@ class CheckpointManager:
     def load(self, layouts: LayoutSpec, rank: int, *, step: int | None = None, **options: Any) -> dict[str, Any]:
         """One rank's pieces of a committed step (default: the latest) under target ``layouts``."""
         return self.open(step).load(layouts, rank, **options)
+
+
+def _settle(target: Future[Any], fn: Any, *args: Any) -> None:
+    """Run ``fn(*args)`` and put its result or failure in ``target``."""
+    try:
+        target.set_result(fn(*args))
+    except BaseException as e:
+        target.set_exception(e)
 
 
 def _step(step: Any) -> int:
