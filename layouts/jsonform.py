@@ -15,6 +15,7 @@ stop]}`` to keep metadata small for large meshes.
 from __future__ import annotations
 
 import json
+import math
 from typing import TYPE_CHECKING, Any
 
 from .errors import FormatError, LayoutError
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
     from .core import Layout
 
 VERSION = 1
+#: Most mesh positions a stored layout may describe (a bound on what parsing allocates).
+MAX_RANKS = 1 << 24
 _KEYS = {"version", "shape", "mesh", "ranks", "dims", "split", "nested", "opt_shard", "explicit", "origin"}
 
 
@@ -78,10 +81,16 @@ def from_json(obj: Any) -> Layout:
     unknown = set(obj) - _KEYS
     if unknown:
         raise FormatError(f"layout JSON has unknown fields {sorted(unknown)}")
+    mesh = _int_list(obj.get("mesh"), "mesh")
+    positions = math.prod(mesh)
+    if positions > MAX_RANKS:
+        raise FormatError(f"layout JSON mesh {mesh} has {positions} positions, over {MAX_RANKS}")
     ranks = obj.get("ranks")
     if isinstance(ranks, dict):
-        start, stop = _int_list(ranks.get("range"), "ranks.range")
-        ranks = list(range(start, stop))
+        bounds = _int_list(ranks.get("range"), "ranks.range")
+        if len(bounds) != 2 or bounds[1] - bounds[0] != positions:
+            raise FormatError(f"layout JSON ranks.range {bounds} must be [start, start + {positions}] for mesh {mesh}")
+        ranks = list(range(*bounds))
     dims = obj.get("dims", [])
     if not isinstance(dims, list):
         raise FormatError(f"layout JSON field 'dims' must be a list, got {dims!r}")
@@ -106,7 +115,7 @@ def from_json(obj: Any) -> Layout:
     try:
         return Layout(
             shape=tuple(_int_list(obj.get("shape"), "shape")),
-            mesh=tuple(_int_list(obj.get("mesh"), "mesh")),
+            mesh=tuple(mesh),
             ranks=tuple(_int_list(ranks, "ranks")),
             dims=tuple(tuple(_int_list(a, "dims")) for a in dims),
             split=split,

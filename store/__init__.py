@@ -19,6 +19,7 @@ from .manager import CheckpointManager
 from .ops import redivide, save, save_pieces
 from .protocol import commit, unlock
 from .reader import Checkpoint, LazyTensor, open
+from .verify import VerifyReport, verify
 from .writer import CheckpointWriter, create
 
 __version__ = "0.1.0"
@@ -45,4 +46,6 @@ __all__ = [
     "save",
     "save_pieces",
     "unlock",
+    "verify",
+    "VerifyReport",
 ]

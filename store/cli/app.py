@@ -22,13 +22,13 @@ from .commands import (
     cmd_diff,
     cmd_inspect,
     cmd_show,
-    cmd_verify,
     compare,
     parse_region,
     slabs,
     storage_options,
     tensor_stats,
 )
+from .verify import cmd_verify
 from .write import (
     EXPORT_FORMATS,
     OPT_WORDS,

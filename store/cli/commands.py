@@ -1,4 +1,4 @@
-"""The ``reshard`` commands that read: ``inspect``, ``show``, ``diff``, ``verify``.
+"""The ``reshard`` commands that read: ``inspect``, ``show``, ``diff`` (``verify`` is in :mod:`.verify`).
 
 Also the helpers every command shares: ``--storage-option`` parsing
 (:func:`storage_options`), opening a checkpoint for a command
@@ -13,7 +13,6 @@ import argparse
 import fnmatch
 import json
 import math
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -333,42 +332,3 @@ def cmd_diff(args: argparse.Namespace) -> int:
             "leaves": leaves, "tensors": tensors}
     emit(args, data, "\n".join([*lines, summary]))
     return 0 if same else 1
-
-
-# ------------------------------------------------------------- verify
-def cmd_verify(args: argparse.Namespace) -> int:
-    """``reshard verify URL``: read every chunk (crc32c-checked); 0 sound, 1 on any problem."""
-    from reshard.layouts.errors import ReshardError, UncommittedCheckpointError
-
-    problems: list[str] = []
-    try:
-        ckpt = open_url(args.url, args)
-    except UncommittedCheckpointError as e:
-        problems.append(str(e))
-        ckpt = open_url(args.url, args, allow_uncommitted=True)
-    t0, checked, chunks = time.perf_counter(), 0, 0
-    with progress_bar(ckpt.nbytes, "verify", unit="B") as bar:
-        for name, meta in ckpt.arrays.items():
-            try:
-                for region in slabs(meta):
-                    _read(ckpt, meta, region)
-                    if bar is not None:
-                        bar.update(math.prod(r.stop - r.start for r in region) * meta.np_dtype.itemsize)
-                checked += meta.nbytes
-                chunks += math.prod(-(-n // c) for n, c in zip(meta.shape, meta.chunk, strict=True))
-            except (ReshardError, OSError) as e:
-                text = " ".join(str(e).split())
-                problems.append(text if repr(name) in text else f"tensor {name!r}: {text}")
-    seconds = time.perf_counter() - t0
-    unchecked = sorted(n for n, m in ckpt.arrays.items() if not m.checksums)
-    data = {"url": ckpt.url, "committed": ckpt.committed, "ok": not problems, "problems": problems,
-            "tensors": len(ckpt.arrays), "bytes_checked": checked, "chunks_checked": chunks,
-            "without_checksums": unchecked, "seconds": seconds}
-    if problems:
-        text = "\n".join([f"FAILED: {ckpt.url}: {len(problems)} problem(s)", *(f"  {p}" for p in problems)])
-    else:
-        text = (f"VERIFIED: {ckpt.url}: committed, {len(ckpt.arrays)} tensors, {human_bytes(checked)}, "
-                f"{chunks} chunks read and crc32c-checked in {seconds:.2f} s"
-                + (f"; {len(unchecked)} tensors stored without checksums" if unchecked else ""))
-    emit(args, data, text)
-    return 0 if not problems else 1

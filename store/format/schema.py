@@ -59,10 +59,19 @@ def with_digest(doc: dict[str, Any]) -> bytes:
     return json.dumps({**doc, SELF_DIGEST: canonical_digest(doc)}).encode()
 
 
-def check_digest(doc: Mapping[str, Any], where: str, required: bool = False) -> None:
-    """Check a document's self-digest (absent: accepted unless ``required``; older writers had none)."""
+def check_digest(doc: Mapping[str, Any], where: str, known: Iterable[str] = ()) -> None:
+    """Check a document's self-digest.
+
+    Older writers wrote none: a document without one is accepted if it holds
+    only the ``known`` fields such writers wrote (a damaged ``sha256`` key, seen
+    as an unknown field, is refused: it would otherwise turn the check off).
+    """
     recorded = doc.get(SELF_DIGEST)
-    if recorded is None and not required:
+    if recorded is None:
+        unknown = sorted(set(doc) - set(known))
+        if unknown:
+            raise FormatError(f"{where} has no sha256 but fields {unknown} that no writer without one wrote: "
+                              "damaged or edited")
         return
     if not isinstance(recorded, str) or recorded != canonical_digest(doc):
         raise FormatError(f"{where} fails its sha256: the document was edited or corrupted after it was written")
@@ -157,11 +166,14 @@ def check_component(part: str, what: str, where: str) -> None:
 
 
 # ------------------------------------------------------------------ marker
+_MARKER_FIELDS = {"format_version", "generation", "save_id", "time", "tensors", "ranks", "metadata_sha256", "form"}
+_MANIFEST_FIELDS = {"format_version", "rank", "save_id", "expected_ranks", "tensors", "leaves"}
+
 def marker_fields(doc: Any, where: str) -> dict[str, Any]:
     """The typed fields of a commit marker (format version checked by the caller)."""
     if not isinstance(doc, dict):
         raise FormatError(f"{where}: the commit marker is not a JSON object")
-    check_digest(doc, where)
+    check_digest(doc, where, _MARKER_FIELDS)
     out: dict[str, Any] = {}
     generation = doc.get("generation", "")
     save_id = doc.get("save_id")
@@ -199,7 +211,7 @@ def check_manifest(doc: Any, where: str) -> dict[str, Any]:
     """
     if not isinstance(doc, dict):
         raise FormatError(f"{where}: a manifest must be a JSON object, got {type(doc).__name__}")
-    check_digest(doc, where)
+    check_digest(doc, where, _MANIFEST_FIELDS)
     rank, expected = get(doc, "rank", where), get(doc, "expected_ranks", where)
     if not is_int(rank) or rank < 0:
         raise _fail(where, "rank", "an int >= 0", rank)
@@ -251,22 +263,15 @@ def check_root(doc: Any, where: str) -> tuple[dict[str, Any], dict[str, Any]]:
         raise FormatError(f"{where} lacks reshard's consolidated metadata") from None
     if not isinstance(leaves, dict) or not isinstance(docs, dict):
         raise FormatError(f"{where}: leaves and consolidated metadata must be JSON objects")
-    kinds: dict[str, str] = {}
     for path, node in docs.items():
-        kind = node.get("node_type") if isinstance(node, dict) else None
-        if kind not in ("array", "group") or not path or path.startswith("/") or "//" in path:
+        kind = node.get("node_type") if type(node) is dict else None
+        if kind != "array" and kind != "group":
             raise FormatError(f"{where}: consolidated entry {path!r} is not an array or group document "
                               f"(node_type {kind!r})")
-        kinds[path] = kind
-    for path, kind in kinds.items():
-        if kind != "array" or "/" not in path:
-            continue
-        parts = path.split("/")
-        for i in range(1, len(parts)):
-            parent = "/".join(parts[:i])
-            if kinds.get(parent) != "group":
-                raise FormatError(f"{where}: array {path!r} lies under {parent!r}, which is "
-                                  f"{'an array' if parent in kinds else 'not listed as a group'}")
+        parent = path.rpartition("/")[0]
+        if parent and (docs.get(parent) or {}).get("node_type") != "group":  # and so on up: every node is checked
+            raise FormatError(f"{where}: {path!r} lies under {parent!r}, which is "
+                              f"{'an array' if parent in docs else 'not listed as a group'}")
     return leaves, docs
 
 

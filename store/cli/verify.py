@@ -1,0 +1,40 @@
+"""``reshard verify URL``: every metadata document, every shard, every chunk (see :mod:`reshard.store.verify`)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+from reshard.layouts.errors import ReshardError
+
+from ..display import human_bytes
+from ..graph.schedule import progress_bar
+from .commands import emit, storage_options
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Exit 0 when sound, 1 on any damage; each line names its kind and the file or tensor."""
+    from ..reader import open as open_checkpoint
+    from ..verify import verify
+
+    try:
+        opts = storage_options(args.storage_option)
+    except ValueError as e:
+        args.parser.error(str(e))
+    total = 0
+    with contextlib.suppress(ReshardError, OSError):  # damaged or uncommitted: verify says why
+        total = open_checkpoint(args.url, storage_options=opts, check_current=False).nbytes
+    with progress_bar(total, "verify", unit="B") as bar:
+        report = verify(args.url, storage_options=opts, progress=None if bar is None else bar.update)
+    if report.damage:
+        lines = [f"FAILED: {report.url}: {len(report.damage)} problem(s)"]
+        lines += [f"  [{d.kind}] {d.message}" for d in report.damage]
+        text = "\n".join(lines)
+    else:
+        unchecked = report.without_checksums
+        text = (f"VERIFIED: {report.url}: committed, {report.tensors} tensors, {human_bytes(report.bytes_checked)}, "
+                f"{report.chunks_checked} chunks read and crc32c-checked, {report.files_checked} metadata files "
+                f"checked in {report.seconds:.2f} s"
+                + (f"; {len(unchecked)} tensors stored without checksums" if unchecked else ""))
+    emit(args, report.as_dict(), text)
+    return 0 if report.ok else 1

@@ -1,0 +1,273 @@
+"""Check a checkpoint end to end: every metadata document, every shard, every chunk.
+
+:func:`verify` (``reshard verify``) reads what ``open`` trusts (the marker and
+the consolidated metadata, checked against the marker's digest), then what it
+does not read: every array's and group's own ``zarr.json`` (the files plain
+zarr-python and TensorStore read), compared with the consolidated metadata;
+every rank's manifest, compared with the committed metadata (dtype, shape,
+grids, codecs, layout, leaves); and every stored chunk, through the same read
+path as ``load`` (shard indexes and chunks crc32c-checked). Each problem is a
+:class:`Damage` of one kind, naming the file or tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+from reshard.layouts.errors import (
+    CheckpointNotFoundError,
+    ChecksumError,
+    ReshardError,
+    StorageError,
+    UncommittedCheckpointError,
+)
+
+from .format.meta import ArrayMeta, stored_name
+from .format.schema import check_group, check_root, loads_json
+from .io.storage import Storage
+from .protocol import Marker, generation_storage, merge_manifests, read_manifest, read_marker
+from .reader import Checkpoint, open, read_metadata
+from .reader import _file_not_checkpoint as file_not_checkpoint
+
+#: Every kind of damage :func:`verify` reports (docs/cli.md describes each).
+KINDS = {
+    "marker": "the commit marker .reshard/commit.json is unreadable or malformed",
+    "uncommitted": "no commit marker: the save was never committed (ranks missing, or commit not called)",
+    "metadata": "the root zarr.json (consolidated metadata) is missing, malformed, or does not match the marker",
+    "array-json": "an array's zarr.json is missing, malformed, or differs from the consolidated metadata",
+    "group-json": "a group's zarr.json is missing, malformed, or differs from the consolidated metadata",
+    "manifest": "a rank's manifest is missing, malformed, or disagrees with the committed metadata",
+    "shard": "a shard object is missing, truncated, or its index is damaged",
+    "checksum": "a chunk's bytes fail their crc32c",
+    "replaced": "the checkpoint was committed anew while it was verified",
+}
+
+#: Bytes of one tensor read at a time (bounded memory).
+SLAB_BYTES = 32 << 20
+
+
+@dataclass(frozen=True)
+class Damage:
+    """One problem: its ``kind`` (a key of :data:`KINDS`), where (a file or tensor) and the message."""
+
+    kind: str
+    where: str
+    message: str
+
+
+@dataclass
+class VerifyReport:
+    """What :func:`verify` found. ``ok`` is true when nothing is damaged."""
+
+    url: str
+    committed: bool = False
+    tensors: int = 0
+    bytes_checked: int = 0
+    chunks_checked: int = 0
+    files_checked: int = 0
+    without_checksums: list[str] = field(default_factory=list)
+    damage: list[Damage] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.damage
+
+    @property
+    def problems(self) -> list[str]:
+        """One line per damage."""
+        return [d.message for d in self.damage]
+
+    def kinds(self) -> set[str]:
+        return {d.kind for d in self.damage}
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(ok=self.ok, problems=self.problems)
+        return out
+
+    def add(self, kind: str, where: str, error: BaseException | str) -> None:
+        text = " ".join(str(error).split())
+        self.damage.append(Damage(kind, where, text if where in text else f"{where}: {text}"))
+
+
+def verify(url: str, *, storage_options: dict[str, Any] | None = None, data: bool = True,
+           progress: Callable[[int], None] | None = None) -> VerifyReport:
+    """Check the checkpoint at ``url``; never raises for damage, reports it.
+
+    Parameters
+    ----------
+    url : str
+        The checkpoint.
+    storage_options : dict, optional
+        fsspec options.
+    data : bool
+        Read and crc32c-check every chunk (the long part); metadata only if false.
+    progress : callable, optional
+        Called with the bytes of each slab read.
+
+    Raises
+    ------
+    CheckpointNotFoundError
+        Nothing is stored at ``url``, or it is a file.
+    """
+    t0 = time.perf_counter()
+    report = VerifyReport(url=str(url).rstrip("/"))
+    root = Storage(url, storage_options)
+    try:
+        found = read_marker(root)
+    except ReshardError as e:
+        if isinstance(e, StorageError) and isinstance(e.__cause__, NotADirectoryError):
+            raise CheckpointNotFoundError(file_not_checkpoint(str(url))) from None
+        report.add("marker", f"{root.url}/.reshard/commit.json", e)
+        ckpt = None  # which save is committed is unknown: nothing else can be checked against it
+    else:
+        if found is None:
+            ckpt = _uncommitted(root, storage_options, report)
+        else:
+            ckpt = _committed(root, found[0], storage_options, report)
+    if ckpt is not None:
+        report.tensors = len(ckpt.arrays)
+        report.without_checksums = sorted(n for n, m in ckpt.arrays.items() if not m.checksums)
+        if data:
+            _check_data(ckpt, report, progress)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _uncommitted(root: Storage, storage_options: dict[str, Any] | None, report: VerifyReport) -> Checkpoint | None:
+    try:
+        open(root.url, storage_options=storage_options)
+    except UncommittedCheckpointError as e:
+        report.add("uncommitted", root.url, e)
+    except CheckpointNotFoundError:
+        if report.damage:
+            return None
+        raise
+    except ReshardError as e:
+        report.add("uncommitted", root.url, e)
+    try:
+        return open(root.url, storage_options=storage_options, allow_uncommitted=True)
+    except ReshardError as e:
+        report.add("manifest", root.url, e)
+        return None
+
+
+def _committed(root: Storage, marker: Marker, storage_options: dict[str, Any] | None,
+               report: VerifyReport) -> Checkpoint | None:
+    report.committed = True
+    gen = generation_storage(root, marker)
+    try:
+        arrays, leaves = read_metadata(gen, marker)
+    except ReshardError as e:
+        report.add("metadata", f"{gen.url}/zarr.json", e)
+        return None
+    where = f"{gen.url}/zarr.json"
+    for meta in arrays.values():
+        try:
+            meta.layout  # noqa: B018 - a deferred record parses and validates its document on first use
+            meta.validate()
+        except ReshardError as e:
+            report.add("metadata", where, e)
+    if report.damage:
+        return None
+    docs = check_root(loads_json(where, gen.read("zarr.json")), where)[1]
+    _check_node_files(gen, docs, report)
+    _check_manifests(gen, marker, arrays, leaves, report)
+    try:
+        return open(root.url, storage_options=storage_options)
+    except ReshardError as e:  # replaced meanwhile
+        report.add("replaced", root.url, e)
+        return None
+
+
+def _check_node_files(gen: Storage, docs: dict[str, Any], report: VerifyReport) -> None:
+    """Every array's and group's own zarr.json against its consolidated copy."""
+    for path, want in sorted(docs.items()):
+        kind = "array-json" if want["node_type"] == "array" else "group-json"
+        where = f"{gen.url}/{path}/zarr.json"
+        try:
+            doc = loads_json(where, gen.read(f"{path}/zarr.json"))
+            if kind == "group-json":
+                check_group(doc, where)
+            else:
+                ArrayMeta.from_zarr_json(stored_name(path, where), doc, where)
+        except FileNotFoundError:
+            report.add(kind, where, "missing")
+            continue
+        except ReshardError as e:
+            report.add(kind, where, e)
+            continue
+        report.files_checked += 1
+        if doc != want:
+            fields = sorted(k for k in set(doc) | set(want) if doc.get(k) != want.get(k))
+            report.add(kind, where, f"differs from the consolidated metadata in {fields}")
+
+
+def _check_manifests(gen: Storage, marker: Marker, arrays: dict[str, ArrayMeta], leaves: dict[str, Any],
+                     report: VerifyReport) -> None:
+    """Every committed rank's manifest, merged, against the committed metadata."""
+    manifests = {}
+    for rank in marker.ranks:
+        where = f"{gen.url}/.reshard/ranks/{rank}.json"
+        try:
+            manifests[rank] = read_manifest(gen, rank)
+            report.files_checked += 1
+        except FileNotFoundError:
+            report.add("manifest", where, "missing")
+        except ReshardError as e:
+            report.add("manifest", where, e)
+    if len(manifests) != len(marker.ranks) or not manifests:
+        return
+    try:
+        metas, merged_leaves = merge_manifests(gen.url, manifests)
+    except ReshardError as e:
+        report.add("manifest", f"{gen.url}/.reshard/ranks", e)
+        return
+    for name in sorted(set(metas) ^ set(arrays)):
+        side = "the manifests" if name in metas else "the committed metadata"
+        report.add("metadata", f"tensor {name!r}", f"only {side} hold it ({gen.url})")
+    for name in sorted(set(metas) & set(arrays)):
+        a, m = arrays[name], metas[name]
+        fields = [f for f in ("shape", "dtype", "shard", "chunk", "layout", "checksums", "compressor")
+                  if getattr(a, f) != getattr(m, f)]
+        if fields:
+            report.add("metadata", f"tensor {name!r}",
+                       f"the committed metadata differs from the ranks' manifests in {fields} ({gen.url})")
+    if json.dumps(merged_leaves, sort_keys=True) != json.dumps(leaves, sort_keys=True):
+        report.add("metadata", f"{gen.url}/zarr.json", "its leaves differ from the ranks' manifests")
+
+
+def _check_data(ckpt: Checkpoint, report: VerifyReport, progress: Callable[[int], None] | None) -> None:
+    for name, meta in ckpt.arrays.items():
+        try:
+            for region in _slabs(meta):
+                dest = np.empty(tuple(r.stop - r.start for r in region), dtype=meta.np_dtype)
+                ckpt.read_regions([(meta, region, dest)])
+                if progress is not None:
+                    progress(dest.nbytes)
+            report.bytes_checked += meta.nbytes
+            report.chunks_checked += math.prod(-(-n // c) for n, c in zip(meta.shape, meta.chunk, strict=True))
+        except ChecksumError as e:
+            report.add("checksum", f"tensor {name!r}", e)
+        except (ReshardError, OSError) as e:
+            kind = "replaced" if type(e).__name__ == "CheckpointReplacedError" else "shard"
+            report.add(kind, f"tensor {name!r}", e)
+
+
+def _slabs(meta: ArrayMeta) -> list[tuple[slice, ...]]:
+    """Regions of at most about :data:`SLAB_BYTES` along dim 0 (whole chunks) covering a tensor."""
+    if not meta.shape:
+        return [()]
+    rest = tuple(slice(0, n) for n in meta.shape[1:])
+    row = meta.np_dtype.itemsize * math.prod(meta.shape[1:])
+    step = max(1, SLAB_BYTES // max(row, 1))
+    if step >= meta.chunk[0]:
+        step -= step % meta.chunk[0]
+    return [(slice(i, min(i + step, meta.shape[0])), *rest) for i in range(0, meta.shape[0], step)]
