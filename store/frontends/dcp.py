@@ -47,11 +47,23 @@ class _DCPMetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         import torch
 
+        if (module, name) == ("builtins", "getattr"):  # how Python 3.11.2 (Debian 12) pickles an enum member
+            return _enum_member
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
             return getattr(torch, name)
         if (module, name) in _DCP_GLOBALS:
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"DCP metadata refers to {module}.{name}, which reshard does not load")
+
+
+def _enum_member(cls: Any, name: Any) -> Any:
+    """``getattr(cls, name)`` as a pickle may call it, for a member of an allowed enum only."""
+    import enum
+
+    if not (isinstance(cls, type) and issubclass(cls, enum.Enum) and (cls.__module__, cls.__name__) in _DCP_GLOBALS
+            and isinstance(name, str) and name in cls.__members__):
+        raise pickle.UnpicklingError(f"DCP metadata calls getattr({cls!r}, {name!r}), which reshard does not load")
+    return cls[name]
 
 
 def read_dcp_metadata(data: bytes) -> Any:
