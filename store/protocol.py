@@ -47,6 +47,8 @@ from .format.meta import (
     group_json,
     shard_shape,
 )
+from .format.refs import FORMS, REFS_KEY
+from .format.refs import build as build_references
 from .format.schema import check_component, check_manifest, check_names, loads_json, marker_fields, with_digest
 from .io import pool
 from .io.storage import Storage
@@ -101,6 +103,8 @@ class Marker:
     ranks: list[int]
     metadata_sha256: str | None = None
     form: str = "directory"
+    #: Packed form: the sha256 of the generation's references file.
+    references_sha256: str | None = None
 
     @classmethod
     def parse(cls, url: str, raw: bytes) -> Marker:
@@ -120,6 +124,9 @@ class Marker:
                              or not isinstance(marker.metadata_sha256, str)):
             raise FormatError(f"{where}: malformed commit marker (generation {marker.generation!r}, "
                               f"metadata_sha256 {marker.metadata_sha256!r})")
+        if marker.form not in FORMS or (marker.form == "packed" and not isinstance(marker.references_sha256, str)):
+            raise FormatError(f"{where}: malformed commit marker (form {marker.form!r}, "
+                              f"references_sha256 {marker.references_sha256!r})")
         return marker
 
     def to_json(self) -> bytes:
@@ -267,9 +274,18 @@ def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None =
         if manifests is None:
             manifests = read_manifests(gen, sid, ranks)
         metas, leaves = merge_manifests(gen.url, manifests)
-        raw = write_metadata(gen, metas, leaves)
+        located = merge_packed(gen.url, manifests, metas)
+        refs_digest = None
+        if located is None:
+            raw = write_metadata(gen, metas, leaves)
+        else:
+            docs, raw = metadata_documents(metas, leaves)
+            refs = build_references({"zarr.json": raw, **docs}, located)
+            gen.write(REFS_KEY, refs)
+            refs_digest = metadata_digest(refs)
         marker = Marker(format_version=FORMAT_VERSION, generation=generation, save_id=sid, time=time.time(),
-                        tensors=len(metas), ranks=sorted(manifests), metadata_sha256=metadata_digest(raw))
+                        tensors=len(metas), ranks=sorted(manifests), metadata_sha256=metadata_digest(raw),
+                        form="directory" if located is None else "packed", references_sha256=refs_digest)
         root.write_atomic(COMMIT_KEY, marker.to_json())
     except BaseException:
         with contextlib.suppress(Exception):
@@ -280,14 +296,49 @@ def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None =
 
 def write_metadata(gen: Storage, metas: dict[str, ArrayMeta], leaves: dict[str, Any]) -> bytes:
     """Write every array's and group's ``zarr.json`` and the root one (consolidated); return the root's bytes."""
+    docs, raw = metadata_documents(metas, leaves)
+    pool.run_all([functools.partial(gen.write, key, doc) for key, doc in docs.items()], gen.local)
+    gen.write("zarr.json", raw)
+    return raw
+
+
+def metadata_documents(metas: dict[str, ArrayMeta], leaves: dict[str, Any]) -> tuple[dict[str, bytes], bytes]:
+    """Every array's and group's ``<path>/zarr.json`` (bytes by key), and the root ``zarr.json`` (consolidated)."""
     docs = {m.path: m.to_zarr_json() for m in metas.values()}
     groups = sorted({"/".join(m.path.split("/")[:i]) for m in metas.values() for i in range(1, m.path.count("/") + 1)})
     docs.update({g: group_json() for g in groups})
-    pool.run_all([functools.partial(gen.write, f"{path}/zarr.json", json.dumps(doc).encode())
-                  for path, doc in docs.items()], gen.local)
-    raw = root_document(metas, docs, leaves)
-    gen.write("zarr.json", raw)
-    return raw
+    return {f"{path}/zarr.json": json.dumps(doc).encode() for path, doc in docs.items()}, root_document(metas, docs,
+                                                                                                      leaves)
+
+
+def merge_packed(url: str, manifests: dict[int, dict[str, Any]],
+                 metas: dict[str, ArrayMeta]) -> dict[str, tuple[str, int, int]] | None:
+    """Where every shard's bytes are, from the manifests of a packed save; None for the directory form.
+
+    Raises
+    ------
+    FormatError
+        If some ranks wrote the packed form and others not, or a shard of a tensor has no bytes.
+    """
+    forms = {"packed" if "packed" in m else "directory" for m in manifests.values()}
+    if len(forms) > 1:
+        raise FormatError(f"{url}: the ranks wrote different storage forms (some packed, some directory)")
+    if forms != {"packed"}:
+        return None
+    located: dict[str, tuple[str, int, int]] = {}
+    for rank in sorted(manifests):
+        try:
+            for key, (obj, offset, length) in manifests[rank]["packed"].items():
+                if not isinstance(obj, str) or not isinstance(offset, int) or not isinstance(length, int):
+                    raise TypeError(key)
+                located[key] = (obj, offset, length)
+        except (AttributeError, TypeError, ValueError) as e:
+            raise FormatError(f"{url}: rank {rank}'s manifest has a malformed packed record ({e})") from None
+    for meta in metas.values():
+        for idx in meta.shards_in(tuple(slice(0, n) for n in meta.shape)):
+            if meta.shard_key(idx) not in located:
+                raise FormatError(f"{url}: tensor {meta.name!r}: no rank wrote shard {meta.shard_key(idx)!r}")
+    return located
 
 
 def read_manifests(storage: Storage, save_id: str | None = None,
