@@ -47,7 +47,7 @@ from .format.meta import (
     group_json,
     shard_shape,
 )
-from .format.refs import FORMS, REFS_KEY
+from .format.refs import FORMS, PACKED_DIR, REFS_KEY, TRAILER_BYTES, rank_object, trailer_length
 from .format.refs import build as build_references
 from .format.schema import check_component, check_manifest, check_names, loads_json, marker_fields, with_digest
 from .io import pool
@@ -229,7 +229,8 @@ def unlock(url: str | Storage, save_id: Any = None, *, storage_options: dict[str
 # -------------------------------------------------------------------- commit
 def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None = None,
            storage_options: dict[str, Any] | None = None, force: bool = False,
-           lock_lease: float = DEFAULT_LOCK_LEASE, manifests: dict[int, dict[str, Any]] | None = None) -> Marker:
+           lock_lease: float = DEFAULT_LOCK_LEASE, manifests: dict[int, dict[str, Any]] | None = None,
+           form: str | None = None) -> Marker:
     """Commit a save once every rank has written.
 
     Parameters
@@ -248,6 +249,9 @@ def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None =
         Break the commit lock even if its holder looks alive.
     lock_lease : float
         Seconds after which this commit's lock may be broken by another committer.
+    form : {"packed", "directory"}, optional
+        The storage form the ranks wrote, when known (it says where their
+        manifests are; unknown: each is looked for as JSON, then in the data object).
     manifests : dict, optional
         ``{rank: manifest}`` already read by the caller (a committer that
         polled for them): they are not read again.
@@ -272,7 +276,7 @@ def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None =
     take_lock(root, gen, sid, force=force, lease=lock_lease)
     try:
         if manifests is None:
-            manifests = read_manifests(gen, sid, ranks)
+            manifests = read_manifests(gen, sid, ranks, form)
         metas, leaves = merge_manifests(gen.url, manifests)
         located = merge_packed(gen.url, manifests, metas)
         refs_digest = None
@@ -341,22 +345,29 @@ def merge_packed(url: str, manifests: dict[int, dict[str, Any]],
     return located
 
 
+def present_ranks(storage: Storage) -> list[int]:
+    """The ranks whose manifests a generation holds, by listing (diagnostics and uncommitted saves only)."""
+    found = {int(n.split(".")[0]) for n in storage.list(f"{META_DIR}/ranks") if n.endswith(".json")}
+    found |= {int(n[:-4]) for n in storage.list(PACKED_DIR) if n.endswith(".bin") and n[:-4].isdigit()}
+    return sorted(found)
+
+
 def read_manifests(storage: Storage, save_id: str | None = None,
-                   expected: list[int] | None = None) -> dict[int, dict[str, Any]]:
-    """Read every expected rank's manifest, by key.
+                   expected: list[int] | None = None, form: str | None = None) -> dict[int, dict[str, Any]]:
+    """Read every expected rank's manifest, by key (``form``: see :func:`read_manifest`).
 
     ``expected`` defaults to the rank set recorded in any manifest found by listing.
     """
     if expected is None:
-        present = [int(n.split(".")[0]) for n in storage.list(f"{META_DIR}/ranks") if n.endswith(".json")]
+        present = present_ranks(storage)
         if not present:
             raise UncommittedCheckpointError(f"{storage.url}: no rank has written anything yet")
-        expected = read_manifest(storage, present[0])["expected_ranks"]
+        expected = read_manifest(storage, present[0], form)["expected_ranks"]
     manifests: dict[int, dict[str, Any]] = {}
 
     def load(r: int) -> None:
         try:
-            m = read_manifest(storage, r)
+            m = read_manifest(storage, r, form)
         except FileNotFoundError:
             return
         if save_id is not None and m.get("save_id") != save_id:
@@ -370,13 +381,44 @@ def read_manifests(storage: Storage, save_id: str | None = None,
     return manifests
 
 
-def read_manifest(storage: Storage, rank: int) -> dict[str, Any]:
-    """One rank's manifest, checked (:func:`reshard.store.format.schema.check_manifest`)."""
-    where = f"{storage.url}/{manifest_key(rank)}"
-    doc = check_manifest(loads_json(where, storage.read(manifest_key(rank))), where)
+def read_manifest(storage: Storage, rank: int, form: str | None = None) -> dict[str, Any]:
+    """One rank's manifest, checked (:func:`reshard.store.format.schema.check_manifest`).
+
+    Directory form: ``.reshard/ranks/<rank>.json``. Packed form: the end of the
+    rank's data object ``packed/<rank>.bin`` (one ranged GET; two for a manifest
+    over 256 KiB). ``form=None`` tries the JSON object first, then the data object.
+
+    Raises
+    ------
+    FileNotFoundError
+        The rank has not written (in the given form).
+    """
+    if form == "packed":
+        where = f"{storage.url}/{rank_object(rank)}"
+        raw = read_trailer(storage, rank_object(rank))
+    else:
+        where = f"{storage.url}/{manifest_key(rank)}"
+        try:
+            raw = storage.read(manifest_key(rank))
+        except FileNotFoundError:
+            if form == "directory":
+                raise
+            return read_manifest(storage, rank, "packed")
+    doc = check_manifest(loads_json(where, raw), where)
     if doc["rank"] != rank:
         raise FormatError(f"{where}: the manifest says it is rank {doc['rank']}'s")
     return doc
+
+
+def read_trailer(storage: Storage, key: str, guess: int = 256 << 10) -> bytes:
+    """The manifest a rank's data object carries at its end (:func:`reshard.store.format.refs.trailer`)."""
+    tail = storage.read_tail(key, guess)
+    n = trailer_length(f"{storage.url}/{key}", tail) + TRAILER_BYTES
+    if n > len(tail):
+        tail = storage.read_tail(key, n)
+        if len(tail) < n:
+            raise FormatError(f"{storage.url}/{key}: the manifest at its end is longer than the object")
+    return tail[len(tail) - n : len(tail) - TRAILER_BYTES]
 
 
 def describe_missing(url: str, missing: list[int], manifests: dict[int, dict[str, Any]]) -> str:

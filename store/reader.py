@@ -37,6 +37,7 @@ from .protocol import (
     generation_storage,
     merge_manifests,
     metadata_digest,
+    present_ranks,
     read_manifest,
     read_manifests,
     read_marker,
@@ -491,8 +492,7 @@ def _from_manifests(storage: Storage, conflicts: list[str]
     try:
         manifests = read_manifests(storage)
     except UncommittedCheckpointError:
-        present = [int(n.split(".")[0]) for n in storage.list(f"{META_DIR}/ranks") if n.endswith(".json")]
-        manifests = {r: read_manifest(storage, r) for r in present}
+        manifests = {r: read_manifest(storage, r) for r in present_ranks(storage)}
     arrays, leaves = merge_manifests(storage.url, manifests, conflicts=conflicts)
     located = {k: v for m in manifests.values() for k, v in (m.get("packed") or {}).items()}
     if not any("packed" in m for m in manifests.values()):

@@ -45,7 +45,7 @@ from .format.meta import (
     shard_shape,
     tensor_path,
 )
-from .format.refs import DEFAULT_OBJECT_BYTES, PACKED_DIR, check_form
+from .format.refs import DEFAULT_OBJECT_BYTES, PACKED_DIR, check_form, rank_object, trailer
 from .format.schema import check_names, with_digest
 from .format.shard import SMALL_SHARD_BYTES, encode_shard
 from .io import packed, pool
@@ -87,6 +87,7 @@ class CheckpointWriter:
         self._pending_bytes = 0
         #: Packed form, block writers: where write_block's shards went.
         self._located: dict[str, Any] = {}
+        self._json_manifests = False
         if compression not in (None, "zstd"):
             raise ValueError(f"compression must be None or 'zstd', got {compression!r}")
         self.root = Storage(url, storage_options)
@@ -196,12 +197,14 @@ class CheckpointWriter:
         pieces = [(meta, meta.layout.region(rank), tensors[name]) for name, meta in metas.items()
                   if meta.layout.replica_id(rank) == 0]
         manifest = self._manifest(rank, metas, leaves)
-        if self.form == "packed":
+        if self.form == "packed":  # one object: the shards back to back, then the manifest
             blobs = self._encode([s for piece in pieces for s in self._shards(*piece)])
-            manifest["packed"] = self._pack(str(rank), blobs)
+            objects, where = packed.plan_pack(f"{self.generation}/{PACKED_DIR}", str(rank), blobs, self.object_bytes)
+            manifest["packed"] = {k: list(v) for k, v in where.items()}
+            packed.write_objects(self.root, objects, trailer(with_digest(manifest)))
         else:
             pool.run_all([job for piece in pieces for job in self._shard_jobs(*piece)], self.storage.local)
-        self.storage.write_atomic(manifest_key(rank), with_digest(manifest))
+            self.storage.write_atomic(manifest_key(rank), with_digest(manifest))
         self._written.add(rank)
 
     def _check_not_written(self, rank: int) -> None:
@@ -210,11 +213,20 @@ class CheckpointWriter:
         Its other ranks' manifests may be there too: committing would mix two attempts.
         """
         # a GET, not exists(): on S3 that is a HEAD and a LIST per rank (a listing storm at scale)
-        if rank not in self._written and self.storage.read_if_exists(manifest_key(rank)) is not None:
+        if rank not in self._written and self._has_written(rank):
             raise CheckpointExistsError(
                 f"{self.root.url}: rank {rank} already wrote save_id {self.save_id!r} (an earlier attempt that "
                 "was not committed?). Save under a new save_id, or remove the attempt with "
                 f"`reshard gc {self.root.url} --min-age 0`")
+
+    def _has_written(self, rank: int) -> bool:
+        if self.form == "directory":
+            return self.storage.read_if_exists(manifest_key(rank)) is not None
+        try:
+            self.storage.read_tail(rank_object(rank), 1)  # a GET of one byte
+        except FileNotFoundError:
+            return False
+        return True
 
     def write_block(self, meta: ArrayMeta, region: tuple[slice, ...], data: np.ndarray) -> None:
         """Write the shards of one block of a tensor (``data`` holds the block's values).
@@ -247,6 +259,7 @@ class CheckpointWriter:
         (object, offset, length)}``; they and :meth:`write_block`'s go into the first rank's manifest.
         """
         self._flush()
+        self._json_manifests = True
         records = {**self._located, **(located or {})}
         ranks = sorted(set().union(*(m.layout.ranks for m in metas.values()))) or [0]
         for rank in ranks:
@@ -324,7 +337,9 @@ class CheckpointWriter:
             ranks = sorted(set().union(*(self.layout(n).ranks for n in names)))
         elif ranks is not None and names:
             ranks = sorted(set(ranks).union(*(self.layout(n).ranks for n in names)))
-        return commit(self.root, save_id=self.save_id, ranks=ranks, **options)
+        # where the manifests are: a packed rank's in its data object; write_manifests' as JSON
+        form = None if self._json_manifests else self.form
+        return commit(self.root, save_id=self.save_id, ranks=ranks, **{"form": form, **options})
 
 
 #: The storage form new checkpoints get (chosen by measurement: docs/performance.md).

@@ -68,12 +68,12 @@ def test_one_data_object_per_rank_and_references(tmp_path):
     assert ckpt.form == "packed"
     gen = pathlib.Path(ckpt.zarr_url)
     objects = sorted(p.relative_to(gen).as_posix() for p in gen.rglob("*") if p.is_file())
-    assert objects == [".reshard/commit.lock", *[f".reshard/ranks/{r}.json" for r in range(4)],
-                       *[f"packed/{r}-0.bin" for r in range(4)], "refs.json"]
+    # one object per rank (its manifest rides at its end), the references, the lock
+    assert objects == [".reshard/commit.lock", *[f"packed/{r}.bin" for r in range(4)], "refs.json"]
     doc = json.loads((gen / "refs.json").read_bytes())
     assert doc["version"] == 1 and doc["templates"] == {"root": "."}
     assert json.loads(doc["refs"]["zarr.json"])["consolidated_metadata"]["metadata"]
-    assert doc["refs"]["model/w/c/2/0"][0] == f"{{{{root}}}}/{gen.name}/packed/2-0.bin"
+    assert doc["refs"]["model/w/c/2/0"][0] == f"{{{{root}}}}/{gen.name}/packed/2.bin"
     marker = json.loads((tmp_path / "ck" / ".reshard" / "commit.json").read_bytes())
     assert marker["form"] == "packed" and len(marker["references_sha256"]) == 64
     for name, arr in full.items():
@@ -86,7 +86,7 @@ def test_objects_split_at_object_bytes(tmp_path):
     write_ranks(url, full, layouts, [0, 1], object_bytes=1000).commit()
     ckpt = rs.open(url)
     parts = sorted(p.name for p in (pathlib.Path(ckpt.zarr_url) / "packed").iterdir())
-    assert len(parts) > 2 and "0-1.bin" in parts
+    assert len(parts) > 2 and {"0.bin", "0-1.bin", "1.bin"} <= set(parts)
     for name, arr in full.items():
         np.testing.assert_array_equal(ckpt[name].read(), arr)
 
@@ -137,7 +137,7 @@ def test_corrupted_references_and_data_are_refused(tmp_path):
     url = str(tmp_path / "ck")
     write_ranks(url, full, layouts, [0, 1, 2, 3]).commit()
     gen = pathlib.Path(rs.open(url).zarr_url)
-    data = gen / "packed" / "1-0.bin"
+    data = gen / "packed" / "1.bin"
     raw = bytearray(data.read_bytes())
     raw[3] ^= 0xFF
     data.write_bytes(bytes(raw))
@@ -178,6 +178,7 @@ def _write_rank(url: str, rank: int, opts: dict) -> None:
 def test_packed_on_s3_rank_processes_plain_zarr_and_gets(s3_proxy, s3_bucket):
     opts = s3_proxy.storage_options()
     url = f"s3://{s3_bucket}/packed"
+    s3_proxy.reset_counters()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_write_rank, args=(url, r, opts)) for r in (0, 1)]
     for p in procs:
@@ -187,8 +188,9 @@ def test_packed_on_s3_rank_processes_plain_zarr_and_gets(s3_proxy, s3_bucket):
     for p in procs:
         p.join(120)
         assert p.exitcode == 0
+    assert len(s3_proxy.records(method="PUT")) == 4  # one per rank: shards and manifest in one object
     s3_proxy.reset_counters()
-    rs.commit(url, storage_options=opts)
+    rs.commit(url, storage_options=opts, form="packed")
     puts = s3_proxy.records(method="PUT")
     assert len(puts) <= 3  # the lock, the references, the marker
     full, _ = state_and_layouts()

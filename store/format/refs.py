@@ -8,7 +8,7 @@ commit writes one references file per save, ``<generation>/refs.json``::
      "templates": {"root": "."},
      "refs": {"zarr.json": "<root group document, the same bytes as the directory form's>",
               "model/w/zarr.json": "<array document>",
-              "model/w/c/0/1": ["{{root}}/gen-7/packed/3-0.bin", 4096, 81920], ...}}
+              "model/w/c/0/1": ["{{root}}/gen-7/packed/3.bin", 4096, 81920], ...}}
 
 Every zarr key of the save maps to its bytes: documents inline (JSON text),
 shards as ``[url, offset, length]``. Urls are relative to the checkpoint root
@@ -52,12 +52,36 @@ def check_form(form: str) -> str:
     return form
 
 
-def data_key(generation: str, writer: str, part: int) -> str:
-    """Key (relative to the checkpoint root) of a writer's ``part``-th data object in ``generation``.
+#: The last 8 bytes of a rank's data object that carries its manifest.
+TRAILER_MAGIC = b"RSHDMAN1"
+#: Bytes of the trailer after the manifest: its length (uint64, little endian) and the magic.
+TRAILER_BYTES = 16
 
-    ``writer`` is a rank number, or a unique token for block writers (importers, convert).
+
+def rank_object(rank: int) -> str:
+    """Key (relative to the generation) of the data object that carries rank ``rank``'s manifest.
+
+    A writer's data objects are ``packed/<writer>.bin`` (its last, written last: a
+    rank's carries its manifest) and ``packed/<writer>-<n>.bin`` (the others, when
+    its data exceeds ``object_bytes``); block writers use random tokens as names.
     """
-    return f"{generation}/{PACKED_DIR}/{writer}-{part}.bin"
+    return f"{PACKED_DIR}/{rank}.bin"
+
+
+def trailer(manifest: bytes) -> bytes:
+    """The bytes a rank appends to its last data object: its manifest, then its length and the magic.
+
+    The manifest travels inside the data object, so a rank's save is one object
+    (one PUT): the object count stays ranks + a few.
+    """
+    return manifest + len(manifest).to_bytes(8, "little") + TRAILER_MAGIC
+
+
+def trailer_length(where: str, tail: bytes) -> int:
+    """The manifest length a data object's last :data:`TRAILER_BYTES` bytes record (FormatError if none)."""
+    if len(tail) < TRAILER_BYTES or tail[-8:] != TRAILER_MAGIC:
+        raise FormatError(f"{where}: the data object does not end with a manifest (truncated or not reshard's)")
+    return int.from_bytes(tail[-16:-8], "little")
 
 
 def build(documents: Mapping[str, bytes], shards: Mapping[str, Location]) -> bytes:

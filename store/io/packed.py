@@ -1,14 +1,16 @@
 """Packed data objects: many shards back to back in one object, written once, read by range.
 
 A writer (a rank, or one task of a block writer) hands its encoded shards to
-:func:`write_pack`; they go back to back into ``packed/<writer>-<part>.bin``
-under the save's generation, a new part once one holds ``max_bytes``, and the
-call returns where each shard landed. Readers fetch byte ranges of such objects
+:func:`plan_pack`; they go back to back into ``packed/<writer>.bin`` under the
+save's generation (more parts, ``packed/<writer>-<n>.bin``, once one holds
+``max_bytes``), and the plan says where each shard lands. Readers fetch byte ranges of such objects
 with :func:`read_ranges`, which merges ranges of one object whose gap costs less
 than a request (the cost model in docs/performance.md: ``gap`` bytes, about
 64 KiB on local disk and 1 MiB on object stores).
 
-Knows nothing of zarr: keys, byte ranges and buffers only.
+A rank's last data object ends with the rank's manifest (``tail`` of
+:func:`write_objects`), so a rank's whole save is one object. Knows nothing of
+zarr: keys, byte ranges and buffers only.
 """
 
 from __future__ import annotations
@@ -28,16 +30,14 @@ from .storage import Storage
 MAX_REQUEST_BYTES = 64 << 20
 
 
-def write_pack(storage: Storage, prefix: str, writer: str, blobs: Sequence[tuple[str, Sequence[Any]]],
-               max_bytes: int) -> dict[str, tuple[str, int, int]]:
-    """Write blobs back to back into data objects; return ``{blob key: (object, offset, length)}``.
+def plan_pack(prefix: str, writer: str, blobs: Sequence[tuple[str, Sequence[Any]]], max_bytes: int
+              ) -> tuple[list[tuple[str, list[Any]]], dict[str, tuple[str, int, int]]]:
+    """Lay blobs out back to back in data objects: the objects (name, buffers) and where each blob lies.
 
     Parameters
     ----------
-    storage : Storage
-        The checkpoint root.
     prefix : str
-        Folder of the objects under the root (``gen-<id>/packed``).
+        Folder of the objects (``gen-<id>/packed`` under the root, or ``packed`` under a generation).
     writer : str
         Unique per writer of the save (a rank number, or a random token).
     blobs : sequence of (key, buffers)
@@ -45,23 +45,49 @@ def write_pack(storage: Storage, prefix: str, writer: str, blobs: Sequence[tuple
     max_bytes : int
         A new object starts once the current one holds at least this many bytes.
 
-    Objects are named ``<prefix>/<writer>-<part>.bin`` and written in parallel,
-    each with one request (local: ``writev``; remote: one PUT, streamed as a
-    multipart upload when large).
+    The last object is ``<prefix>/<writer>.bin``, the others ``<prefix>/<writer>-<n>.bin``
+    (the names :mod:`reshard.store.format.refs` documents); ``{blob key: (object, offset, length)}``.
     """
-    where: dict[str, tuple[str, int, int]] = {}
-    objects: list[tuple[str, list[Any]]] = []
-    offset = max_bytes  # start a first object on the first blob
+    groups: list[list[tuple[str, Sequence[Any], int]]] = []
+    filled = max_bytes  # start a first object on the first blob
     for key, parts in blobs:
         size = sum(memoryview(p).nbytes for p in parts)
-        if offset >= max_bytes:
-            objects.append((f"{prefix}/{writer}-{len(objects)}.bin", []))
-            offset = 0
-        name, buffers = objects[-1]
-        buffers += parts
-        where[key] = (name, offset, size)
-        offset += size
-    pool.run_all([functools.partial(storage.write, name, buffers) for name, buffers in objects], storage.local)
+        if filled >= max_bytes:
+            groups.append([])
+            filled = 0
+        groups[-1].append((key, parts, size))
+        filled += size
+    groups = groups or [[]]
+    objects: list[tuple[str, list[Any]]] = []
+    where: dict[str, tuple[str, int, int]] = {}
+    for n, group in enumerate(groups):
+        name = f"{prefix}/{writer}.bin" if n == len(groups) - 1 else f"{prefix}/{writer}-{n + 1}.bin"
+        buffers: list[Any] = []
+        offset = 0
+        for key, parts, size in group:
+            buffers += parts
+            where[key] = (name, offset, size)
+            offset += size
+        objects.append((name, buffers))
+    return objects, where
+
+
+def write_objects(storage: Storage, objects: list[tuple[str, list[Any]]], tail: bytes = b"") -> None:
+    """Write planned objects, ``tail`` appended to the last; the last is written after the others.
+
+    Each object is one request (local: ``writev``; remote: one PUT). The last
+    one (which carries a rank's manifest) appears only once every other part is there.
+    """
+    *first, (name, buffers) = objects
+    pool.run_all([functools.partial(storage.write, n, b) for n, b in first], storage.local)
+    storage.write(name, [*buffers, tail] if tail else buffers)
+
+
+def write_pack(storage: Storage, prefix: str, writer: str, blobs: Sequence[tuple[str, Sequence[Any]]],
+               max_bytes: int) -> dict[str, tuple[str, int, int]]:
+    """:func:`plan_pack` and :func:`write_objects` (no manifest inside); where each blob went."""
+    objects, where = plan_pack(prefix, writer, blobs, max_bytes)
+    write_objects(storage, objects)
     return where
 
 
