@@ -191,6 +191,9 @@ class Runner:
         for s in systems:
             self.group(name, "save, 1 process", "np.savez" if s == "np" else s, tasks[s], 1,
                        {**base, "url": urls[s]}, size)
+        for form in ("packed", "directory"):  # both storage forms side by side
+            self.group(name, "save, 1 process", f"reshard {form}", tasks["reshard"], 1,
+                       {**base, "url": self.dir(f"W2-{form}"), "form": form}, size)
         for s in ("reshard", "dcp", "orbax"):
             if s in systems:
                 self.group(name, "open + inspect metadata", s, f"bench.tasks_{s}:OpenInspect", 1,
