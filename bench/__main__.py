@@ -15,16 +15,17 @@ from bench import data
 from bench.report import machine, markdown, summary
 from bench.workloads import Options, Runner, available_anchors
 
-ALL = ("w1", "w3", "w2", "w4", "gpt2", "scale", "async")
+ALL = ("w1", "w3", "w2", "w4", "gpt2", "w5", "s3sim", "scale", "async")
 #: Left out of ``--smoke`` unless named with ``--only`` (CI's smoke run stays short).
-SMOKE_SKIP = {"gpt2"}
+SMOKE_SKIP = {"gpt2", "w5", "s3sim"}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     p.add_argument("--smoke", action="store_true", help="tiny sizes, reshard + np/cat only, 1 run (CI)")
     p.add_argument("--full", action="store_true", help="add the 4 GiB case of the size sweep")
-    p.add_argument("--only", default=",".join(ALL), help=f"comma-separated subset of {','.join(ALL)}")
+    p.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(ALL)} (default all; "
+                                                f"--smoke leaves out {', '.join(sorted(SMOKE_SKIP))})")
     p.add_argument("--no-anchors", action="store_true", help="skip DCP and Orbax")
     p.add_argument("--reps", type=int, default=None, help="runs kept per phase (default 3; smoke 1)")
     p.add_argument("--warmup", type=int, default=None, help="runs dropped per phase (default 1; smoke 0)")
@@ -36,9 +37,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    only = {w.strip() for w in args.only.split(",") if w.strip()}
-    if args.smoke and args.only == ",".join(ALL):
-        only -= SMOKE_SKIP
+    chosen = args.only or ",".join(w for w in ALL if not (args.smoke and w in SMOKE_SKIP))
+    only = {w.strip() for w in chosen.split(",") if w.strip()}
     if only - set(ALL):
         print(f"unknown workloads {sorted(only - set(ALL))}; choose from {ALL}", file=sys.stderr)
         return 2

@@ -20,6 +20,8 @@ FULL: dict[str, Any] = {
     "w3": {"hidden": 1536, "layers": 5, "vocab": 12288},    # 160 M params: bf16 + 2 x fp32 = 1.5 GiB
     "w2": {"count": 5000, "max_side": 256, "max_len": 4096},
     "w4": {"rows": 4480, "cols": 936, "count": 16},          # 256 MiB on the S3 test server
+    "w5": {"hidden": 320, "ffn": 832, "vocab": 2496, "layers": 32},  # 873 tensors, 484 MB (7B / ~170)
+    "s3sim": {"rows": 4096, "cols": 64, "count": 16, "ranks": 1024, "procs": 8},  # 16 MiB, 1 KiB a piece
     "scale_ranks": [8, 64, 512],
     "scale_shape": [4096, 256], "scale_count": 16,             # 64 MiB, 8 rows per rank at 512
     "sizes": {"256 MiB": 936, "1 GiB": 3744},                  # W1 columns for the size sweep
@@ -31,6 +33,8 @@ SMOKE: dict[str, Any] = {
     "w3": {"hidden": 48, "layers": 2, "vocab": 96},
     "w2": {"count": 200, "max_side": 24, "max_len": 256},
     "w4": {"rows": 112, "cols": 32, "count": 4},
+    "w5": {"hidden": 64, "ffn": 128, "vocab": 192, "layers": 2},
+    "s3sim": {"rows": 256, "cols": 8, "count": 4, "ranks": 64, "procs": 2},
     "scale_ranks": [8, 64],
     "scale_shape": [512, 16], "scale_count": 4,
     "sizes": {},  # no size sweep in smoke runs
@@ -73,7 +77,9 @@ def tensors(workload: str, cfg: dict[str, Any]) -> list[Spec]:
     if workload in ("gpt2", "gpt2-balanced"):
         kind = "balanced0" if workload == "gpt2-balanced" else "shard0"
         return [Spec("wte", (int(cfg["rows"]), int(cfg["cols"])), "float32", kind, 0)]
-    if workload in ("w1", "w4", "scale"):
+    if workload == "w5":
+        return _w5(cfg["hidden"], cfg["ffn"], cfg["vocab"], cfg["layers"])
+    if workload in ("w1", "w4", "scale", "s3sim"):
         rect = (int(cfg["rows"]), int(cfg["cols"]))
         return [Spec(f"layer{i:02d}.weight", rect, "float32", "shard0", i) for i in range(cfg["count"])]
     if workload == "w3":
@@ -89,6 +95,22 @@ def tensors(workload: str, cfg: dict[str, Any]) -> list[Spec]:
             out.append(Spec(f"block{i // 10:03d}.p{i % 10}", shape, "float32", "whole", i))
         return out
     raise ValueError(f"unknown workload {workload!r}")
+
+
+def _w5(h: int, ffn: int, vocab: int, layers: int) -> list[Spec]:
+    """A Llama-7B-shaped state scaled down: 291 parameters, each with two Adam moments (873 tensors)."""
+    weights: list[tuple[str, tuple[int, ...]]] = [("embed_tokens.weight", (vocab, h))]
+    for i in range(layers):
+        p = f"layers.{i}"
+        weights += [(f"{p}.self_attn.{n}_proj.weight", (h, h)) for n in "qkvo"]
+        weights += [(f"{p}.mlp.gate_proj.weight", (ffn, h)), (f"{p}.mlp.up_proj.weight", (ffn, h)),
+                    (f"{p}.mlp.down_proj.weight", (h, ffn)),
+                    (f"{p}.input_layernorm.weight", (h,)), (f"{p}.post_attention_layernorm.weight", (h,))]
+    weights += [("norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
+    out: list[Spec] = []
+    for group in ("model", "optim.exp_avg", "optim.exp_avg_sq"):
+        out += [Spec(f"{group}.{n}", s, "float32", "shard0", len(out) + j) for j, (n, s) in enumerate(weights)]
+    return out
 
 
 def _w3(h: int, layers: int, vocab: int) -> list[Spec]:

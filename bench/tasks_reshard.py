@@ -67,7 +67,7 @@ class SaveWhole(Task):
     def __init__(self, ctx: Ctx) -> None:
         import reshard.store as rs
 
-        self.rs, self.url = rs, ctx.args["url"]
+        self.rs, self.url, self.form = rs, ctx.args["url"], ctx.args.get("form")
         self.state = {s.name: data.fill(s.index, data.whole(s.shape), s.dtype)
                       for s in data.tensors(ctx.args["workload"], ctx.args["cfg"])}
 
@@ -75,7 +75,7 @@ class SaveWhole(Task):
         shutil.rmtree(self.url, ignore_errors=True)
 
     def run(self, rep: int) -> dict[str, Any]:
-        return self.rs.save(self.state, self.url).storage.stats.as_dict()
+        return self.rs.save(self.state, self.url, form=self.form).storage.stats.as_dict()
 
 
 class Load(Task):

@@ -34,7 +34,7 @@ class Options:
     reps: int = 3
     warmup: int = 1
     full: bool = False
-    only: set[str] = field(default_factory=lambda: {"w1", "w2", "w3", "w4", "gpt2", "scale", "async"})
+    only: set[str] = field(default_factory=lambda: {"w1", "w2", "w3", "w4", "gpt2", "w5", "s3sim", "scale", "async"})
     anchors: set[str] = field(default_factory=set)
     budget_s: float = 60.0
 
@@ -128,9 +128,15 @@ class Runner:
         whole = "integration 8 -> 1 (read_all)"
         self.cat(label, whole, ckpt["url"], size)
         self.group(label, whole, "reshard", "bench.tasks_reshard:ReadAll", 1, ckpt, size)
-        for engine in ("tensorstore", "zarr"):  # the general engines over the same files
+        import reshard.store as rs
+
+        if rs.open(ckpt["url"]).form != "directory":  # TensorStore reads the directory form (untimed convert)
+            rs.convert(ckpt["url"], self.dir(f"{label}-directory"), "directory")
+        for engine in ("tensorstore", "zarr"):  # the general engines over the same bytes
+            url = self.dir(f"{label}-directory") if engine == "tensorstore" and os.path.exists(
+                self.dir(f"{label}-directory")) else ckpt["url"]
             self.group(label, whole, f"reshard/{engine}", "bench.tasks_reshard:ReadAll", 1,
-                       {**ckpt, "engine": engine}, size, f"open(engine={engine!r})",
+                       {**ckpt, "url": url, "engine": engine}, size, f"open(engine={engine!r})",
                        reps=1 if engine == "zarr" else None)
         for s in systems:
             self.group(label, whole, s, f"bench.tasks_{s}:ReadAll", 1, {**base, "url": self.dir(f"{label}-{s}")}, size)
@@ -185,6 +191,9 @@ class Runner:
         for s in systems:
             self.group(name, "save, 1 process", "np.savez" if s == "np" else s, tasks[s], 1,
                        {**base, "url": urls[s]}, size)
+        for form in ("packed", "directory"):  # both storage forms side by side
+            self.group(name, "save, 1 process", f"reshard {form}", tasks["reshard"], 1,
+                       {**base, "url": self.dir(f"W2-{form}"), "form": form}, size)
         for s in ("reshard", "dcp", "orbax"):
             if s in systems:
                 self.group(name, "open + inspect metadata", s, f"bench.tasks_{s}:OpenInspect", 1,
@@ -286,6 +295,67 @@ class Runner:
                            {"cfg": cfg, "mode": "sync", "url": self.dir(f"{anchor}-sync")}, size,
                            "save until written")
 
+    # ------------------------------------------------------------------ W5
+    def w5(self) -> None:
+        """873 tensors (7B-shaped, scaled) x 64 ranks: objects, save vs DCP, one-rank load requests and bytes."""
+        from bench.tasks_packed import count_objects
+
+        cfg = self.opts.cfg["w5"]
+        size = data.total_bytes(data.tensors("w5", cfg))
+        base: dict[str, Any] = {"workload": "w5", "cfg": cfg}
+        label, save = "W5 873 x 64", "save, 64 rank writes (8 processes)"
+        for form in ("packed", "directory"):
+            url = self.dir(f"W5-{form}")
+            m = self.group(label, save, f"reshard {form}", "bench.tasks_packed:SaveRanks", 8,
+                           {**base, "url": url, "ranks": 64, "form": form}, size, reps=1)
+            m.extra["objects"] = count_objects(url)
+            self.rows[-1].note = f"{m.extra['objects']} objects"
+        if "dcp" in self.opts.anchors:
+            m = self.group(label, "save, DCP's largest world here", "dcp", "bench.tasks_dcp:Save", 8,
+                           {**base, "mesh": [8], "url": self.dir("W5-dcp")}, size, reps=1)
+            m.extra["objects"] = count_objects(self.dir("W5-dcp"))
+            self.rows[-1].note = f"8 processes, {m.extra['objects']} objects"
+        load = "load rank 5 of 56"
+        for form in ("packed", "directory"):
+            m = self.group(label, load, f"reshard {form}", "bench.tasks_reshard:Load", 56,
+                           {**base, "url": self.dir(f"W5-{form}"), "mesh": [64], "target": [56]}, size // 56,
+                           ranks=[5])
+            needed = m.per_rank[0].get("needed", 0) if m.per_rank else 0
+            self.rows[-1].note = (f"{m.extra.get('requests', 0)} requests (open and the after-read check "
+                                  f"included), {m.extra.get('bytes_fetched', 0) / max(needed, 1):.2f}x the "
+                                  "bytes needed")
+
+    # ------------------------------------------------------------ S3 sim
+    def s3sim(self) -> None:
+        """1024 simulated ranks on the S3 test server: PUTs per save, GETs of one rank's load."""
+        from reshard.store.testing import LocalS3Server, S3Proxy
+
+        cfg = self.opts.cfg["s3sim"]
+        n, procs = int(cfg["ranks"]), int(cfg["procs"])
+        size = data.total_bytes(data.tensors("s3sim", cfg))
+        base: dict[str, Any] = {"workload": "s3sim", "cfg": cfg}
+        label = f"S3 {n} ranks"
+        with LocalS3Server() as server, S3Proxy(server.endpoint_url) as proxy:
+            bucket = server.make_bucket("bench")
+            for form in ("packed", "directory"):
+                url = f"s3://{bucket}/{form}"
+                proxy.reset_counters()
+                m = self.group(label, f"save, {n} rank writes ({procs} processes)", f"reshard {form}",
+                               "bench.tasks_packed:SaveRanks", procs,
+                               {**base, "url": url, "ranks": n, "form": form,
+                                "storage_options": proxy.storage_options()}, size, reps=1, warmup=0)
+                puts = len(proxy.records("PUT"))
+                m.extra["puts"] = puts
+                self.rows[-1].note = f"{puts} PUTs ({n} ranks)"
+                proxy.reset_counters()
+                m = self.group(label, f"load rank 3 of {n}", f"reshard {form}", "bench.tasks_reshard:Load", n,
+                               {**base, "url": url, "mesh": [n], "target": [n],
+                                "storage_options": proxy.storage_options()}, size // n, ranks=[3],
+                               reps=1, warmup=0)
+                gets = len(proxy.records("GET"))
+                m.extra["gets"] = gets
+                self.rows[-1].note = f"{gets} GETs, 1 source object touched"
+
     # ------------------------------------------------------------- scaling
     def scale_ranks(self) -> None:
         cfg = self.opts.cfg
@@ -318,7 +388,7 @@ class Runner:
     def all(self) -> list[Row]:
         only = self.opts.only
         steps = [("w1", lambda: self.w1(self.opts.cfg["w1"])), ("w3", self.w3), ("w2", self.w2), ("w4", self.w4),
-                 ("gpt2", self.gpt2),
+                 ("gpt2", self.gpt2), ("w5", self.w5), ("s3sim", self.s3sim),
                  ("scale", self.scale_ranks), ("scale", self.scale_size), ("async", self.async_save)]
         for key, step in steps:
             if key in only:

@@ -2,7 +2,8 @@
 
 Write from every rank with :func:`create` / ``write`` / ``commit`` (or :func:`save`
 in one process), read lazily with :func:`open`, load any rank of any layout
-with ``Checkpoint.load``, redivide with :func:`redivide`.
+with ``Checkpoint.load``, redivide with :func:`redivide`, change the storage form
+with :func:`convert`.
 """
 
 from reshard.layouts.errors import *  # noqa: F403  (one errors module for the project)
@@ -16,7 +17,7 @@ from .garbage import gc
 from .graph import LoadResult, load_many
 from .io.storage import IOStats
 from .manager import CheckpointManager
-from .ops import redivide, save, save_pieces
+from .ops import convert, redivide, save, save_pieces
 from .protocol import commit, unlock
 from .reader import Checkpoint, LazyTensor, open
 from .verify import VerifyReport, verify
@@ -37,6 +38,7 @@ __all__ = [
     "LazyTensor",
     "LoadResult",
     "commit",
+    "convert",
     "create",
     "export",
     "gc",

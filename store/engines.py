@@ -70,17 +70,32 @@ def tensorstore_array(storage: Storage, meta: ArrayMeta, write: bool = False) ->
     return ts.open(spec, read=True).result()
 
 
-def zarr_array(storage: Storage, meta: ArrayMeta) -> Any:
-    """Open one stored tensor with zarr-python (read only); for a rectilinear one, see :func:`zarr_config`."""
+def references_store(root: Storage, refs_url: str) -> Any:
+    """A read-only zarr store over a packed save's references (fsspec ``reference://``)."""
     import zarr
 
-    with zarr_config(meta):
-        if storage.local:
-            store: Any = zarr.storage.LocalStore(storage.root, read_only=True)
-        else:
-            store = zarr.storage.FsspecStore.from_url(storage.url, read_only=True,
-                                                      storage_options=getattr(storage.fs, "storage_options", None))
-        return zarr.open_array(store=store, path=meta.path, mode="r")
+    options = dict(getattr(root.fs, "storage_options", None) or {})
+    return zarr.storage.FsspecStore.from_url(
+        "reference://", read_only=True,
+        storage_options={"fo": refs_url, "template_overrides": {"root": root.url},
+                         "remote_options": {**options, "asynchronous": True}, "target_options": options})
+
+
+def zarr_array(storage: Storage, meta: ArrayMeta, fetcher: Fetcher | None = None) -> Any:
+    """Open one stored tensor with zarr-python (read only); a packed save through its references.
+
+    For a rectilinear tensor, call it inside :func:`zarr_config`.
+    """
+    import zarr
+
+    if fetcher is not None and fetcher.refs is not None:
+        store: Any = references_store(fetcher.root, fetcher.refs.url)
+    elif storage.local:
+        store = zarr.storage.LocalStore(storage.root, read_only=True)
+    else:
+        store = zarr.storage.FsspecStore.from_url(storage.url, read_only=True,
+                                                  storage_options=getattr(storage.fs, "storage_options", None))
+    return zarr.open_array(store=store, path=meta.path, mode="r")
 
 
 @contextlib.contextmanager
@@ -113,10 +128,14 @@ def zarr_config(meta: ArrayMeta, url: str = "") -> Iterator[None]:
 def read_with_engine(ckpt: Fetcher, meta: ArrayMeta, region: Region) -> np.ndarray:
     """Read a region of a tensor with ``ckpt.engine`` (``"tensorstore"`` or ``"zarr"``)."""
     if ckpt.engine == "tensorstore":
+        if ckpt.refs is not None:
+            raise FormatError(f"{ckpt.url}: TensorStore reads the directory form only (its zarr3 driver cannot "
+                              "follow byte-range references); convert with `reshard convert SRC DST --form "
+                              "directory`, or use engine='fast' or 'zarr'")
         arr = tensorstore_array(ckpt.storage, meta)
         return np.asarray(arr[region].read().result())
     with zarr_config(meta, ckpt.url):
-        return np.asarray(zarr_array(ckpt.storage, meta)[region])
+        return np.asarray(zarr_array(ckpt.storage, meta, ckpt)[region])
 
 
 def write_with_tensorstore(storage: Storage, meta: ArrayMeta, region: Region, data: np.ndarray) -> None:

@@ -3,6 +3,15 @@
 A :class:`Fetcher` belongs to one open checkpoint (or one dask task's private
 view of it). It caches shard indexes, fetches small shards whole, coalesces
 chunk reads into few requests and runs them on the storage's thread pool.
+
+Both storage forms go through it. The directory form reads one object per
+shard. The packed form (:mod:`reshard.store.format.refs`) reads byte ranges of
+the per-rank data objects its references point into: a shard is a range, its
+index the range's last bytes, and ranges of one object are merged across
+shards and tensors by the cost model (a gap of up to ``gap`` bytes is read
+rather than paid for with another request: 64 KiB on local disk, 1 MiB on
+object stores by default), so loading one rank's pieces takes a few requests
+per source object touched.
 """
 
 from __future__ import annotations
@@ -13,14 +22,33 @@ import numpy as np
 from reshard.layouts.errors import FormatError, StorageError
 
 from .format.meta import ArrayMeta
-from .format.shard import SMALL_SHARD_BYTES, Request, coalesce, decode_index, execute, plan_reads
-from .io import pool
+from .format.refs import Location, References
+from .format.shard import (
+    SMALL_SHARD_BYTES,
+    ChunkRead,
+    Request,
+    Target,
+    coalesce,
+    decode_index,
+    execute,
+    execute_mixed,
+    plan_reads,
+)
+from .io import packed, pool
 from .io.storage import IOStats, Storage
 
 Region = tuple[slice, ...]
 
-#: Byte gap under which two chunk reads of one shard become one request.
+#: Byte gap under which two reads of one object become one request, on local disk
+#: (a request costs about as much as reading this many more bytes from the page cache).
 DEFAULT_GAP = 64 << 10
+#: The same on object stores (S3 and the like: tens of ms per request, ~100 MB/s per stream).
+REMOTE_GAP = 1 << 20
+
+
+def default_gap(storage: Storage) -> int:
+    """The cost model's gap for ``storage``: :data:`DEFAULT_GAP` locally, :data:`REMOTE_GAP` remote."""
+    return DEFAULT_GAP if storage.local else REMOTE_GAP
 #: Local files: bytes of one request that go through a scratch buffer (chunks
 #: that do not land directly in the destination) stay under this, so the
 #: scratch stays in cache and never is a large fresh allocation.
@@ -36,17 +64,24 @@ class Fetcher:
         Where the checkpoint lives.
     engine : {"fast", "tensorstore", "zarr"}
         Which code reads chunks.
-    gap : int
-        Byte gap under which reads of one shard are merged into one request.
+    gap : int, optional
+        Byte gap under which reads of one object are merged into one request
+        (default: :func:`default_gap`).
     indexes : dict, optional
         A shard-index cache to share (dask tasks of one checkpoint share one).
+    refs : References, optional
+        A packed save's references; ``root`` is then the checkpoint root they are relative to.
     """
 
-    def __init__(self, storage: Storage, engine: str = "fast", gap: int = DEFAULT_GAP,
-                 indexes: dict[str, np.ndarray] | None = None) -> None:
+    def __init__(self, storage: Storage, engine: str = "fast", gap: int | None = None,
+                 indexes: dict[str, np.ndarray] | None = None, refs: References | None = None,
+                 root: Storage | None = None) -> None:
         self.storage = storage
         self.engine = engine
-        self.gap = gap
+        self.gap = default_gap(storage) if gap is None else int(gap)
+        self.refs = refs
+        #: The checkpoint root (packed references are relative to it).
+        self.root = root if root is not None else storage
         #: Shards up to this size are fetched whole, in one request with their index.
         self.small_shard_bytes = SMALL_SHARD_BYTES
         self.indexes: dict[str, np.ndarray] = {} if indexes is None else indexes
@@ -69,6 +104,8 @@ class Fetcher:
                 dest[...] = read_with_engine(self, meta, region)
             self.storage.count(bytes_delivered=delivered)
             return IOStats(bytes_delivered=delivered)
+        if self.refs is not None:
+            return self._read_packed(jobs, delivered)
         keys = [[(shard, meta.shard_key(shard)) for shard in meta.shards_in(region)] for meta, region, _ in jobs]
         blobs, index_bytes = self._fetch_indexes(jobs, keys)
         temp = LOCAL_TEMP_BYTES if self.storage.local else None
@@ -129,3 +166,57 @@ class Fetcher:
                                  self.storage.local)
         return blobs, sizes
 
+
+    # ------------------------------------------------------------ packed
+    def _read_packed(self, jobs: list[tuple[ArrayMeta, Region, np.ndarray]], delivered: int) -> IOStats:
+        """:meth:`read_regions` for the packed form: byte ranges of data objects, merged by the cost model.
+
+        First the ranges of what is not cached yet (a small shard whole, a big
+        one's index at the end of its range), merged per object into requests;
+        then the chunk reads not served from those bytes, merged again.
+        """
+        assert self.refs is not None
+        refs, root = self.refs, self.root
+        shards = [[(s, k, refs.locate(k, meta.name)) for s in meta.shards_in(region) for k in (meta.shard_key(s),)]
+                  for meta, region, _ in jobs]
+        ranges: list[tuple[str, int, int]] = []
+        wanted: dict[str, tuple[ArrayMeta, Location]] = {}
+        for (meta, _, _), located in zip(jobs, shards, strict=True):
+            for _, key, (obj, off, n) in located:
+                if not meta.shape:
+                    ranges.append((obj, off, off + n))
+                elif key not in self.indexes:
+                    wanted[key] = (meta, (obj, off, n))
+                    whole = n <= self.small_shard_bytes  # data and index in one range
+                    ranges.append((obj, off if whole else off + n - meta.index_nbytes(), off + n))
+        spans, sizes = packed.read_ranges(root, ranges, self.gap)
+        for key, (meta, (obj, off, n)) in wanted.items():
+            tail = spans.get(obj, off + n - meta.index_nbytes(), off + n)
+            assert tail is not None
+            self.indexes[key] = decode_index(bytes(tail), meta, key)
+        work: list[tuple[Request, list[Target], memoryview | None]] = []
+        far: list[ChunkRead] = []
+        target_of: dict[int, Target] = {}
+        for (meta, region, dest), located in zip(jobs, shards, strict=True):
+            target = Target(meta, dest)
+            for shard, key, (obj, off, n) in located:
+                reads = plan_reads(meta, region, self.indexes.get(key), shard, key, dest)
+                if not meta.shape:
+                    reads = [reads[0]._replace(nbytes=n)]
+                blob = spans.get(obj, off, off + n)
+                if blob is not None:  # fetched whole above
+                    work.append((Request(key, 0, n, tuple(reads)), [target] * len(reads), blob))
+                    continue
+                for r in reads:
+                    moved = r._replace(key=obj, offset=off + r.offset)
+                    target_of[id(moved)] = target
+                    far.append(moved)
+        temp = LOCAL_TEMP_BYTES if root.local else None
+        for req in coalesce(far, self.gap, max_temp=temp):
+            work.append((req, [target_of[id(r)] for r in req.reads], None))
+        fetched = pool.run_batched([functools.partial(execute_mixed, root, *w) for w in work],
+                                   [w[0].nbytes for w in work], root.local)
+        self.storage.count(bytes_delivered=delivered, tasks=len(work))
+        far_requests = sum(1 for w in work if w[2] is None)
+        return IOStats(requests=len(sizes) + far_requests, bytes_fetched=sum(sizes) + sum(fetched),
+                       bytes_delivered=delivered, tasks=len(work))

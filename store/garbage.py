@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .format.meta import LOCK_KEY, META_DIR
+from .format.refs import PACKED_DIR, REFS_KEY
 from .io.storage import Storage
 from .protocol import GENERATION_PREFIX, loads_json, read_marker
 
@@ -62,7 +63,7 @@ def gc(url: str | Storage, *, min_age: float = DEFAULT_MIN_AGE, dry_run: bool = 
         if not name.startswith(GENERATION_PREFIX) or name == committed:
             continue
         gen = root.child(name)
-        times = [gen.modified(k) for k in (f"{META_DIR}/ranks", LOCK_KEY, "zarr.json")]
+        times = [gen.modified(k) for k in (f"{META_DIR}/ranks", LOCK_KEY, "zarr.json", REFS_KEY, PACKED_DIR)]
         latest = max((t for t in times if t is not None), default=None)
         (young if latest is not None and now - latest < min_age else removed).append(name)
     legacy = found is not None and found[0].format_version >= 2 and root.exists("zarr.json")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -18,8 +19,9 @@ from reshard.layouts import Layout
 
 from . import graph
 from .format.meta import ArrayMeta
+from .format.refs import DEFAULT_OBJECT_BYTES, PACKED_DIR, check_form
 from .format.shard import encode_shard
-from .io import pool
+from .io import packed, pool
 from .io.storage import IOStats, Storage
 from .reader import Checkpoint, open
 from .tree import LayoutSpec, flatten, resolve_layout
@@ -77,19 +79,28 @@ class CopyTask:
     dst_options: Mapping[str, Any]
     items: tuple[tuple[ArrayMeta, ArrayMeta, tuple[int, ...]], ...]  # (source, target, shard index)
     budget: graph.BudgetRef
+    packed: bool = False  # write the task's shards back to back into one data object
 
 
-def copy_task(task: CopyTask) -> IOStats:
-    """Task body of :func:`redivide`: its reads' and writes' counters."""
+def copy_task(task: CopyTask) -> tuple[IOStats, dict[str, tuple[str, int, int]]]:
+    """Task body of :func:`redivide`: its reads' and writes' counters, and where packed shards went."""
     ckpt = graph.open_source(task.source)
     storage = Storage(task.dst, dict(task.dst_options))
     ops = [graph.ReadOp(src, out.shard_region(idx)) for src, out, idx in task.items]
+    located: dict[str, tuple[str, int, int]] = {}
     with graph.budget(task.budget).hold(sum(op.nbytes for op in ops)):
         arrays, stats = graph.read_ops(ckpt, ops)
-        pool.run_all([functools.partial(_write_shard, storage, out, idx, arr)
-                      for (_, out, idx), arr in zip(task.items, arrays, strict=True)], storage.local)
+        if task.packed:
+            blobs = [(out.shard_key(idx), encode_shard(arr, out)) for (_, out, idx), arr in zip(task.items, arrays,
+                                                                                                 strict=True)]
+            generation = task.dst.rstrip("/").rsplit("/", 1)[-1]
+            where = packed.write_pack(storage, PACKED_DIR, uuid.uuid4().hex[:12], blobs, DEFAULT_OBJECT_BYTES)
+            located = {k: (f"{generation}/{obj}", off, n) for k, (obj, off, n) in where.items()}
+        else:
+            pool.run_all([functools.partial(_write_shard, storage, out, idx, arr)
+                          for (_, out, idx), arr in zip(task.items, arrays, strict=True)], storage.local)
     stats.add(**{k: v for k, v in storage.stats.as_dict().items() if k in ("writes", "bytes_written", "retries")})
-    return stats
+    return stats, located
 
 
 def _write_shard(storage: Storage, meta: ArrayMeta, idx: tuple[int, ...], data: np.ndarray) -> None:
@@ -150,18 +161,46 @@ def redivide(src: str | Checkpoint, dst: str, layouts: LayoutSpec, *, scheduler:
     source = graph.source_of(ckpt, gap)
     options_dst = dict(getattr(writer.storage.fs, "storage_options", None) or {})
     dsk = {(f"reshard-redivide-{ref.token}", g): (copy_task, CopyTask(source, writer.storage.url, options_dst,
-                                                                       tuple(group), ref))
+                                                                       tuple(group), ref, writer.form == "packed"))
            for g, group in enumerate(groups)}
     try:
         with graph.progress_bar(len(dsk), "redivide", progress) as bar:
             parts = graph.run(dsk, list(dsk), scheduler, bar)
     finally:
         graph.release(ref)
-    stats = graph.total(parts, len(dsk))
+    stats = graph.total([p[0] for p in parts], len(dsk))
     ckpt.storage.count(**{k: v for k, v in stats.as_dict().items() if k not in ("writes", "bytes_written")})
-    writer.write_manifests(metas, ckpt.leaves)
+    writer.write_manifests(metas, ckpt.leaves, {k: v for p in parts for k, v in p[1].items()})
     writer.commit()
     return stats
+
+
+def convert(src: str | Checkpoint, dst: str, form: str, **options: Any) -> IOStats:
+    """Write checkpoint ``src`` again at ``dst`` in storage form ``form``, same layouts (``reshard convert``).
+
+    A :func:`redivide` that keeps every tensor's layout: ``"directory"`` for
+    TensorStore (one object per shard), ``"packed"`` for O(ranks) objects. The
+    chunk compression of ``src`` is kept. ``dst`` may be ``src`` itself with
+    ``overwrite=True``: the converted save is a new generation, committed
+    atomically, and the old one is left for ``reshard gc``. Also upgrades a
+    format-version-1 checkpoint.
+
+    Parameters
+    ----------
+    src : str or Checkpoint
+        The checkpoint to convert (``src_storage_options=`` in ``options`` for a URL).
+    dst : str
+        Where the converted checkpoint goes.
+    form : {"directory", "packed"}
+        The storage form to write.
+    **options
+        As for :func:`redivide` (``overwrite``, ``storage_options``, ``scheduler``...).
+    """
+    check_form(form)
+    ckpt = src if isinstance(src, Checkpoint) else open(src, storage_options=options.pop("src_storage_options", None))
+    compressors = {m.compressor for m in ckpt.arrays.values()}
+    options.setdefault("compression", compressors.pop() if len(compressors) == 1 else None)
+    return redivide(ckpt, dst, {}, form=form, **options)
 
 
 def _extent(meta: ArrayMeta, idx: tuple[int, ...]) -> tuple[int, ...]:

@@ -47,6 +47,8 @@ from .format.meta import (
     escape_component,
     group_json,
 )
+from .format.refs import FORMS, PACKED_DIR, REFS_KEY, TRAILER_BYTES, rank_object, trailer_length
+from .format.refs import build as build_references
 from .format.schema import check_component, check_manifest, check_names, loads_json, marker_fields, with_digest
 from .io import pool
 from .io.storage import Storage
@@ -101,6 +103,8 @@ class Marker:
     ranks: list[int]
     metadata_sha256: str | None = None
     form: str = "directory"
+    #: Packed form: the sha256 of the generation's references file.
+    references_sha256: str | None = None
 
     @classmethod
     def parse(cls, url: str, raw: bytes) -> Marker:
@@ -120,6 +124,9 @@ class Marker:
                              or not isinstance(marker.metadata_sha256, str)):
             raise FormatError(f"{where}: malformed commit marker (generation {marker.generation!r}, "
                               f"metadata_sha256 {marker.metadata_sha256!r})")
+        if marker.form not in FORMS or (marker.form == "packed" and not isinstance(marker.references_sha256, str)):
+            raise FormatError(f"{where}: malformed commit marker (form {marker.form!r}, "
+                              f"references_sha256 {marker.references_sha256!r})")
         return marker
 
     def to_json(self) -> bytes:
@@ -222,7 +229,8 @@ def unlock(url: str | Storage, save_id: Any = None, *, storage_options: dict[str
 # -------------------------------------------------------------------- commit
 def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None = None,
            storage_options: dict[str, Any] | None = None, force: bool = False,
-           lock_lease: float = DEFAULT_LOCK_LEASE, manifests: dict[int, dict[str, Any]] | None = None) -> Marker:
+           lock_lease: float = DEFAULT_LOCK_LEASE, manifests: dict[int, dict[str, Any]] | None = None,
+           form: str | None = None) -> Marker:
     """Commit a save once every rank has written.
 
     Parameters
@@ -241,6 +249,9 @@ def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None =
         Break the commit lock even if its holder looks alive.
     lock_lease : float
         Seconds after which this commit's lock may be broken by another committer.
+    form : {"packed", "directory"}, optional
+        The storage form the ranks wrote, when known (it says where their
+        manifests are; unknown: each is looked for as JSON, then in the data object).
     manifests : dict, optional
         ``{rank: manifest}`` already read by the caller (a committer that
         polled for them): they are not read again.
@@ -265,11 +276,20 @@ def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None =
     take_lock(root, gen, sid, force=force, lease=lock_lease)
     try:
         if manifests is None:
-            manifests = read_manifests(gen, sid, ranks)
+            manifests = read_manifests(gen, sid, ranks, form)
         metas, leaves = merge_manifests(gen.url, manifests)
-        raw = write_metadata(gen, metas, leaves)
+        located = merge_packed(gen.url, manifests, metas)
+        refs_digest = None
+        if located is None:
+            raw = write_metadata(gen, metas, leaves)
+        else:
+            docs, raw = metadata_documents(metas, leaves)
+            refs = build_references({"zarr.json": raw, **docs}, located)
+            gen.write(REFS_KEY, refs)
+            refs_digest = metadata_digest(refs)
         marker = Marker(format_version=FORMAT_VERSION, generation=generation, save_id=sid, time=time.time(),
-                        tensors=len(metas), ranks=sorted(manifests), metadata_sha256=metadata_digest(raw))
+                        tensors=len(metas), ranks=sorted(manifests), metadata_sha256=metadata_digest(raw),
+                        form="directory" if located is None else "packed", references_sha256=refs_digest)
         root.write_atomic(COMMIT_KEY, marker.to_json())
     except BaseException:
         with contextlib.suppress(Exception):
@@ -280,32 +300,74 @@ def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None =
 
 def write_metadata(gen: Storage, metas: dict[str, ArrayMeta], leaves: dict[str, Any]) -> bytes:
     """Write every array's and group's ``zarr.json`` and the root one (consolidated); return the root's bytes."""
-    docs = {m.path: m.to_zarr_json() for m in metas.values()}
-    groups = sorted({"/".join(m.path.split("/")[:i]) for m in metas.values() for i in range(1, m.path.count("/") + 1)})
-    docs.update({g: group_json() for g in groups})
-    pool.run_all([functools.partial(gen.write, f"{path}/zarr.json", json.dumps(doc).encode())
-                  for path, doc in docs.items()], gen.local)
-    raw = root_document(metas, docs, leaves)
+    docs, raw = metadata_documents(metas, leaves)
+    pool.run_all([functools.partial(gen.write, key, doc) for key, doc in docs.items()], gen.local)
     gen.write("zarr.json", raw)
     return raw
 
 
+def metadata_documents(metas: dict[str, ArrayMeta], leaves: dict[str, Any]) -> tuple[dict[str, bytes], bytes]:
+    """Every array's and group's ``<path>/zarr.json`` (bytes by key), and the root ``zarr.json`` (consolidated)."""
+    docs = {m.path: m.to_zarr_json() for m in metas.values()}
+    groups = sorted({"/".join(m.path.split("/")[:i]) for m in metas.values() for i in range(1, m.path.count("/") + 1)})
+    docs.update({g: group_json() for g in groups})
+    return {f"{path}/zarr.json": json.dumps(doc).encode() for path, doc in docs.items()}, root_document(metas, docs,
+                                                                                                      leaves)
+
+
+def merge_packed(url: str, manifests: dict[int, dict[str, Any]],
+                 metas: dict[str, ArrayMeta]) -> dict[str, tuple[str, int, int]] | None:
+    """Where every shard's bytes are, from the manifests of a packed save; None for the directory form.
+
+    Raises
+    ------
+    FormatError
+        If some ranks wrote the packed form and others not, or a shard of a tensor has no bytes.
+    """
+    forms = {"packed" if "packed" in m else "directory" for m in manifests.values()}
+    if len(forms) > 1:
+        raise FormatError(f"{url}: the ranks wrote different storage forms (some packed, some directory)")
+    if forms != {"packed"}:
+        return None
+    located: dict[str, tuple[str, int, int]] = {}
+    for rank in sorted(manifests):
+        try:
+            for key, (obj, offset, length) in manifests[rank]["packed"].items():
+                if not isinstance(obj, str) or not isinstance(offset, int) or not isinstance(length, int):
+                    raise TypeError(key)
+                located[key] = (obj, offset, length)
+        except (AttributeError, TypeError, ValueError) as e:
+            raise FormatError(f"{url}: rank {rank}'s manifest has a malformed packed record ({e})") from None
+    for meta in metas.values():
+        for idx in meta.shards_in(tuple(slice(0, n) for n in meta.shape)):
+            if meta.shard_key(idx) not in located:
+                raise FormatError(f"{url}: tensor {meta.name!r}: no rank wrote shard {meta.shard_key(idx)!r}")
+    return located
+
+
+def present_ranks(storage: Storage) -> list[int]:
+    """The ranks whose manifests a generation holds, by listing (diagnostics and uncommitted saves only)."""
+    found = {int(n.split(".")[0]) for n in storage.list(f"{META_DIR}/ranks") if n.endswith(".json")}
+    found |= {int(n[:-4]) for n in storage.list(PACKED_DIR) if n.endswith(".bin") and n[:-4].isdigit()}
+    return sorted(found)
+
+
 def read_manifests(storage: Storage, save_id: str | None = None,
-                   expected: list[int] | None = None) -> dict[int, dict[str, Any]]:
-    """Read every expected rank's manifest, by key.
+                   expected: list[int] | None = None, form: str | None = None) -> dict[int, dict[str, Any]]:
+    """Read every expected rank's manifest, by key (``form``: see :func:`read_manifest`).
 
     ``expected`` defaults to the rank set recorded in any manifest found by listing.
     """
     if expected is None:
-        present = [int(n.split(".")[0]) for n in storage.list(f"{META_DIR}/ranks") if n.endswith(".json")]
+        present = present_ranks(storage)
         if not present:
             raise UncommittedCheckpointError(f"{storage.url}: no rank has written anything yet")
-        expected = read_manifest(storage, present[0])["expected_ranks"]
+        expected = read_manifest(storage, present[0], form)["expected_ranks"]
     manifests: dict[int, dict[str, Any]] = {}
 
     def load(r: int) -> None:
         try:
-            m = read_manifest(storage, r)
+            m = read_manifest(storage, r, form)
         except FileNotFoundError:
             return
         if save_id is not None and m.get("save_id") != save_id:
@@ -319,13 +381,44 @@ def read_manifests(storage: Storage, save_id: str | None = None,
     return manifests
 
 
-def read_manifest(storage: Storage, rank: int) -> dict[str, Any]:
-    """One rank's manifest, checked (:func:`reshard.store.format.schema.check_manifest`)."""
-    where = f"{storage.url}/{manifest_key(rank)}"
-    doc = check_manifest(loads_json(where, storage.read(manifest_key(rank))), where)
+def read_manifest(storage: Storage, rank: int, form: str | None = None) -> dict[str, Any]:
+    """One rank's manifest, checked (:func:`reshard.store.format.schema.check_manifest`).
+
+    Directory form: ``.reshard/ranks/<rank>.json``. Packed form: the end of the
+    rank's data object ``packed/<rank>.bin`` (one ranged GET; two for a manifest
+    over 256 KiB). ``form=None`` tries the JSON object first, then the data object.
+
+    Raises
+    ------
+    FileNotFoundError
+        The rank has not written (in the given form).
+    """
+    if form == "packed":
+        where = f"{storage.url}/{rank_object(rank)}"
+        raw = read_trailer(storage, rank_object(rank))
+    else:
+        where = f"{storage.url}/{manifest_key(rank)}"
+        try:
+            raw = storage.read(manifest_key(rank))
+        except FileNotFoundError:
+            if form == "directory":
+                raise
+            return read_manifest(storage, rank, "packed")
+    doc = check_manifest(loads_json(where, raw), where)
     if doc["rank"] != rank:
         raise FormatError(f"{where}: the manifest says it is rank {doc['rank']}'s")
     return doc
+
+
+def read_trailer(storage: Storage, key: str, guess: int = 256 << 10) -> bytes:
+    """The manifest a rank's data object carries at its end (:func:`reshard.store.format.refs.trailer`)."""
+    tail = storage.read_tail(key, guess)
+    n = trailer_length(f"{storage.url}/{key}", tail) + TRAILER_BYTES
+    if n > len(tail):
+        tail = storage.read_tail(key, n)
+        if len(tail) < n:
+            raise FormatError(f"{storage.url}/{key}: the manifest at its end is longer than the object")
+    return tail[len(tail) - n : len(tail) - TRAILER_BYTES]
 
 
 def describe_missing(url: str, missing: list[int], manifests: dict[int, dict[str, Any]]) -> str:

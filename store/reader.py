@@ -24,7 +24,8 @@ from reshard.layouts.errors import (
     UncommittedCheckpointError,
 )
 
-from .fetch import DEFAULT_GAP, Fetcher
+from .fetch import Fetcher
+from .format import refs as references
 from .format.consolidated import RootMetadata
 from .format.meta import COMMIT_KEY, META_DIR, ArrayMeta
 from .io.storage import IOStats, Storage
@@ -36,6 +37,7 @@ from .protocol import (
     generation_storage,
     merge_manifests,
     metadata_digest,
+    present_ranks,
     read_manifest,
     read_manifests,
     read_marker,
@@ -52,8 +54,9 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
     """
 
     def __init__(self, storage: Storage, arrays: dict[str, ArrayMeta], leaves: dict[str, Any],
-                 committed: bool, engine: str = "fast", gap: int = DEFAULT_GAP, *,
-                 root: Storage | None = None, marker: bytes | None = None) -> None:
+                 committed: bool, engine: str = "fast", gap: int | None = None, *,
+                 root: Storage | None = None, marker: bytes | None = None,
+                 refs: references.References | None = None) -> None:
         #: The generation this view reads (its zarr hierarchy: ``zarr_url``).
         self.storage = storage
         #: The checkpoint's URL, whose marker names the committed generation.
@@ -69,7 +72,7 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
         #: What the ranks' manifests disagree on (an uncommitted save opened for forensics).
         self.conflicts: list[str] = []
         #: The one I/O path of every read (shard indexes are cached there).
-        self.fetcher = Fetcher(storage, engine, gap)
+        self.fetcher = Fetcher(storage, engine, gap, refs=refs, root=self.root)
 
     # ----------------------------------------------------------- mapping
     def __getitem__(self, name: str) -> Any:
@@ -124,8 +127,22 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
 
     @property
     def zarr_url(self) -> str:
-        """The zarr v3 group of the opened save, for plain zarr-python, TensorStore and dask."""
+        """The zarr v3 group of the opened save, for plain zarr-python, TensorStore and dask.
+
+        In the packed form this folder holds the save's data objects and
+        :attr:`references_url`, through which zarr-python and dask read it.
+        """
         return self.storage.url
+
+    @property
+    def form(self) -> str:
+        """The storage form: ``"packed"`` or ``"directory"``."""
+        return "directory" if self.fetcher.refs is None else "packed"
+
+    @property
+    def references_url(self) -> str | None:
+        """Packed form: the save's kerchunk references (``fsspec`` ``reference://``); None otherwise."""
+        return None if self.fetcher.refs is None else f"{self.storage.url}/{references.REFS_KEY}"
 
     @property
     def nbytes(self) -> int:
@@ -329,7 +346,7 @@ def allocate(specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> list[np.ndar
 
 
 def open(url: str, *, allow_uncommitted: bool = False, storage_options: dict[str, Any] | None = None,
-         engine: str = "fast", gap: int = DEFAULT_GAP, retries: int = 5, save_id: Any = None,
+         engine: str = "fast", gap: int | None = None, retries: int = 5, save_id: Any = None,
          check_current: bool = True) -> Checkpoint:
     """Open a checkpoint lazily: the commit marker and one metadata document, no data.
 
@@ -345,8 +362,10 @@ def open(url: str, *, allow_uncommitted: bool = False, storage_options: dict[str
         fsspec options (credentials, endpoint...).
     engine : {"fast", "tensorstore", "zarr"}
         Which code reads chunks. All three read the same files.
-    gap : int
-        Byte gap under which reads of one shard are merged into one request.
+    gap : int, optional
+        Byte gap under which reads of one object are merged into one request:
+        the cost model (docs/performance.md). Default 64 KiB on local disk,
+        1 MiB on object stores.
     retries : int
         Retries of transiently failing remote requests.
     save_id : str or int, optional
@@ -378,8 +397,13 @@ def open(url: str, *, allow_uncommitted: bool = False, storage_options: dict[str
         return _open_uncommitted(root, allow_uncommitted, save_id, engine, gap)
     marker, raw_marker = found
     storage = generation_storage(root, marker)
-    arrays, leaves = read_metadata(storage, marker)
-    ckpt = Checkpoint(storage, arrays, leaves, committed=True, engine=engine, gap=gap, root=root, marker=raw_marker)
+    refs = read_references(storage, marker) if marker.form == "packed" else None
+    if refs is not None:
+        arrays, leaves = parse_metadata(f"{storage.url}/zarr.json", refs.root, marker)
+    else:
+        arrays, leaves = read_metadata(storage, marker)
+    ckpt = Checkpoint(storage, arrays, leaves, committed=True, engine=engine, gap=gap, root=root, marker=raw_marker,
+                      refs=refs)
     ckpt.check_replaced = check_current
     ckpt.save_id = marker.save_id
     return ckpt
@@ -391,6 +415,19 @@ def _file_not_checkpoint(url: str) -> str:
     return f"{url} is a file, not a checkpoint (a reshard checkpoint is a folder or URL prefix){hint}"
 
 
+def read_references(storage: Storage, marker: Marker) -> references.References:
+    """A packed save's references, checked against the digest its marker recorded."""
+    where = f"{storage.url}/{references.REFS_KEY}"
+    try:
+        raw = storage.read(references.REFS_KEY)
+    except FileNotFoundError:
+        raise FormatError(f"{where} is missing: the committed save's references are gone") from None
+    if metadata_digest(raw) != marker.references_sha256:
+        raise FormatError(f"{where} does not match the digest in its commit marker: the references were edited or "
+                          "corrupted after the commit")
+    return references.parse(where, raw)
+
+
 def read_metadata(storage: Storage, marker: Marker) -> tuple[dict[str, ArrayMeta], dict[str, Any]]:
     """The arrays and leaves of a committed save, checked against its marker."""
     where = f"{storage.url}/zarr.json"
@@ -398,6 +435,11 @@ def read_metadata(storage: Storage, marker: Marker) -> tuple[dict[str, ArrayMeta
         raw = storage.read("zarr.json")
     except FileNotFoundError:
         raise FormatError(f"{where} is missing: the committed save's metadata is gone") from None
+    return parse_metadata(where, raw, marker)
+
+
+def parse_metadata(where: str, raw: bytes, marker: Marker) -> tuple[dict[str, ArrayMeta], dict[str, Any]]:
+    """The arrays and leaves of a root ``zarr.json`` (``raw``), checked against its marker."""
     if marker.metadata_sha256 is not None and metadata_digest(raw) != marker.metadata_sha256:
         raise FormatError(f"{where} does not match the digest in its commit marker: the metadata was edited or "
                           "corrupted after the commit")
@@ -408,7 +450,7 @@ def read_metadata(storage: Storage, marker: Marker) -> tuple[dict[str, ArrayMeta
     return arrays, parsed.leaves
 
 
-def _open_uncommitted(root: Storage, allow: bool, save_id: Any, engine: str, gap: int) -> Checkpoint:
+def _open_uncommitted(root: Storage, allow: bool, save_id: Any, engine: str, gap: int | None) -> Checkpoint:
     """An uncommitted save: refused with what is missing, or opened from its manifests when allowed."""
     if save_id is not None:
         gen = root.child(generation_of(save_id))
@@ -438,20 +480,25 @@ def _open_uncommitted(root: Storage, allow: bool, save_id: Any, engine: str, gap
             f"{root.url}: every rank has written but the checkpoint was never committed "
             "(call commit(), or open with allow_uncommitted=True)")
     conflicts: list[str] = []
-    arrays, leaves = _from_manifests(gen, conflicts)
-    ckpt = Checkpoint(gen, arrays, leaves, committed=False, engine=engine, gap=gap, root=root)
+    arrays, leaves, refs = _from_manifests(gen, conflicts)
+    ckpt = Checkpoint(gen, arrays, leaves, committed=False, engine=engine, gap=gap, root=root, refs=refs)
     ckpt.conflicts = conflicts
     return ckpt
 
 
-def _from_manifests(storage: Storage, conflicts: list[str]) -> tuple[dict[str, ArrayMeta], dict[str, Any]]:
+def _from_manifests(storage: Storage, conflicts: list[str]
+                    ) -> tuple[dict[str, ArrayMeta], dict[str, Any], references.References | None]:
     """Whatever the ranks that did write have described (missing ranks are skipped, disagreements listed)."""
     try:
         manifests = read_manifests(storage)
     except UncommittedCheckpointError:
-        present = [int(n.split(".")[0]) for n in storage.list(f"{META_DIR}/ranks") if n.endswith(".json")]
-        manifests = {r: read_manifest(storage, r) for r in present}
-    return merge_manifests(storage.url, manifests, conflicts=conflicts)
+        manifests = {r: read_manifest(storage, r) for r in present_ranks(storage)}
+    arrays, leaves = merge_manifests(storage.url, manifests, conflicts=conflicts)
+    located = {k: v for m in manifests.values() for k, v in (m.get("packed") or {}).items()}
+    if not any("packed" in m for m in manifests.values()):
+        return arrays, leaves, None
+    refs = references.parse(f"{storage.url}/{META_DIR}/ranks", references.build({"zarr.json": b"{}"}, located))
+    return arrays, leaves, refs
 
 
 def _human(n: float) -> str:

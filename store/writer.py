@@ -3,20 +3,24 @@
 Protocol (docs/format.md has the full story):
 
 1. Every rank's process calls :func:`create` with the same arguments and
-   :meth:`CheckpointWriter.write` with its own rank. A rank writes the shard
-   objects of the blocks it holds as replica 0, then its manifest
-   ``.reshard/ranks/<rank>.json`` (what it holds, with dtypes and layouts).
+   :meth:`CheckpointWriter.write` with its own rank. A rank writes the shards
+   of the blocks it holds as replica 0 (directory form: one object each;
+   packed form: back to back in one data object), then its manifest
+   ``.reshard/ranks/<rank>.json`` (what it holds, with dtypes and layouts, and
+   in the packed form where each shard's bytes went).
 2. Once all have written, any one process calls :meth:`CheckpointWriter.commit`
    (or :func:`commit` with just the URL). It takes the commit lock with a
    create-if-absent write, checks every expected rank's manifest is there and
-   that they agree, writes every array's ``zarr.json``, the root ``zarr.json``
-   with consolidated metadata, and finally the commit marker.
+   that they agree, writes every array's ``zarr.json`` and the root ``zarr.json``
+   with consolidated metadata (packed form: one references file holding them
+   and every shard's location instead), and finally the commit marker.
 
 Nothing is renamed (object stores cannot) and readers trust only the marker.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import uuid
 from collections.abc import Mapping
@@ -41,9 +45,10 @@ from .format.meta import (
     inner_chunk_shape,
     tensor_path,
 )
+from .format.refs import DEFAULT_OBJECT_BYTES, PACKED_DIR, check_form, rank_object, trailer
 from .format.schema import check_names, with_digest
 from .format.shard import SMALL_SHARD_BYTES, encode_shard
-from .io import pool
+from .io import packed, pool
 from .io.storage import Storage
 from .protocol import Marker, commit, generation_of, manifest_key, read_marker, save_id_of
 from .tree import LayoutSpec, flatten, resolve_layout
@@ -66,6 +71,8 @@ class CheckpointWriter:
         storage_options: dict[str, Any] | None = None,
         engine: str = "fast",
         grid: str = "auto",
+        form: str | None = None,
+        object_bytes: int = DEFAULT_OBJECT_BYTES,
     ) -> None:
         if engine not in ("fast", "tensorstore"):
             raise ValueError(f"writer engine must be 'fast' or 'tensorstore', got {engine!r}")
@@ -76,12 +83,25 @@ class CheckpointWriter:
         self.engine = engine
         #: How irregular layouts are sharded: ``"exact"`` (rectilinear, one shard per block) or ``"regular"``.
         self.grid = ("regular" if engine == "tensorstore" else "exact") if grid == "auto" else grid
+        #: The storage form: ``"packed"`` (per-rank data objects + references) or ``"directory"``.
+        self.form = check_form(form if form is not None else (DEFAULT_FORM if engine == "fast" else "directory"))
+        if self.form == "packed" and engine == "tensorstore":
+            raise ValueError("the tensorstore writer engine writes the directory form only (form='directory')")
+        #: Packed form: a writer's data goes on in a new object once one holds this many bytes.
+        self.object_bytes = int(object_bytes)
+        #: Packed form, block writers: shards written by write_block, not yet in an object.
+        self._pending: list[tuple[str, list[Any]]] = []
+        self._pending_bytes = 0
+        #: Packed form, block writers: where write_block's shards went.
+        self._located: dict[str, Any] = {}
+        self._json_manifests = False
         if compression not in (None, "zstd"):
             raise ValueError(f"compression must be None or 'zstd', got {compression!r}")
         self.root = Storage(url, storage_options)
         self.save_id = save_id_of(save_id)
         #: Where this save's objects go: the generation's folder under the root.
-        self.storage = self.root.child(generation_of(self.save_id))
+        self.generation = generation_of(self.save_id)
+        self.storage = self.root.child(self.generation)
         self.layouts = layouts
         self.shapes = dict(shapes or {})
         self.compression = compression
@@ -183,12 +203,17 @@ class CheckpointWriter:
         if missing:
             raise LayoutError(f"rank {rank} holds {missing} by its layouts but did not pass them")
         self._check_not_written(rank)
-        jobs = []
-        for name, meta in metas.items():
-            if meta.layout.replica_id(rank) == 0:
-                jobs += self._shard_jobs(meta, meta.layout.region(rank), tensors[name])
-        pool.run_all(jobs, self.storage.local)
-        self.storage.write_atomic(manifest_key(rank), with_digest(self._manifest(rank, metas, leaves)))
+        pieces = [(meta, meta.layout.region(rank), tensors[name]) for name, meta in metas.items()
+                  if meta.layout.replica_id(rank) == 0]
+        manifest = self._manifest(rank, metas, leaves)
+        if self.form == "packed":  # one object: the shards back to back, then the manifest
+            blobs = self._encode([s for piece in pieces for s in self._shards(*piece)])
+            objects, where = packed.plan_pack(f"{self.generation}/{PACKED_DIR}", str(rank), blobs, self.object_bytes)
+            manifest["packed"] = {k: list(v) for k, v in where.items()}
+            packed.write_objects(self.root, objects, trailer(with_digest(manifest)))
+        else:
+            pool.run_all([job for piece in pieces for job in self._shard_jobs(*piece)], self.storage.local)
+            self.storage.write_atomic(manifest_key(rank), with_digest(manifest))
         self._written.add(rank)
 
     def _check_not_written(self, rank: int) -> None:
@@ -197,11 +222,20 @@ class CheckpointWriter:
         Its other ranks' manifests may be there too: committing would mix two attempts.
         """
         # a GET, not exists(): on S3 that is a HEAD and a LIST per rank (a listing storm at scale)
-        if rank not in self._written and self.storage.read_if_exists(manifest_key(rank)) is not None:
+        if rank not in self._written and self._has_written(rank):
             raise CheckpointExistsError(
                 f"{self.root.url}: rank {rank} already wrote save_id {self.save_id!r} (an earlier attempt that "
                 "was not committed?). Save under a new save_id, or remove the attempt with "
                 f"`reshard gc {self.root.url} --min-age 0`")
+
+    def _has_written(self, rank: int) -> bool:
+        if self.form == "directory":
+            return self.storage.read_if_exists(manifest_key(rank)) is not None
+        try:
+            self.storage.read_tail(rank_object(rank), 1)  # a GET of one byte
+        except FileNotFoundError:
+            return False
+        return True
 
     def write_block(self, meta: ArrayMeta, region: tuple[slice, ...], data: np.ndarray) -> None:
         """Write the shards of one block of a tensor (``data`` holds the block's values).
@@ -209,30 +243,69 @@ class CheckpointWriter:
         For single-process writers that hold blocks rather than ranks' state
         dicts (importers, :func:`reshard.store.redivide`); the caller writes each
         block once, then calls :meth:`write_manifests` and :meth:`commit`.
+        In the packed form the shards are held until ``object_bytes`` of them
+        are pending (then written as one data object) or :meth:`write_manifests`.
         """
-        pool.run_all(self._shard_jobs(meta, region, data), self.storage.local)
+        if self.form == "directory":
+            pool.run_all(self._shard_jobs(meta, region, data), self.storage.local)
+            return
+        blobs = self._encode(self._shards(meta, region, data))
+        self._pending += blobs
+        self._pending_bytes += sum(memoryview(p).nbytes for _, parts in blobs for p in parts)
+        if self._pending_bytes >= self.object_bytes:
+            self._flush()
 
-    def write_manifests(self, metas: Mapping[str, ArrayMeta], leaves: Mapping[str, Any]) -> None:
-        """Write the manifest of every rank of ``metas``' layouts (after :meth:`write_block`)."""
+    def _flush(self) -> None:
+        if self._pending:
+            self._located.update(self._pack(uuid.uuid4().hex[:12], self._pending))
+        self._pending, self._pending_bytes = [], 0
+
+    def write_manifests(self, metas: Mapping[str, ArrayMeta], leaves: Mapping[str, Any],
+                        located: Mapping[str, Any] | None = None) -> None:
+        """Write the manifest of every rank of ``metas``' layouts (after :meth:`write_block`).
+
+        ``located``: packed shards written elsewhere (redivide's tasks), ``{shard key:
+        (object, offset, length)}``; they and :meth:`write_block`'s go into the first rank's manifest.
+        """
+        self._flush()
+        self._json_manifests = True
+        records = {**self._located, **(located or {})}
         ranks = sorted(set().union(*(m.layout.ranks for m in metas.values()))) or [0]
         for rank in ranks:
             held = {n: m for n, m in metas.items() if rank in m.layout.ranks}
-            self.storage.write_atomic(manifest_key(rank), with_digest(self._manifest(rank, held, dict(leaves))))
+            manifest = self._manifest(rank, held, dict(leaves))
+            if self.form == "packed":
+                manifest["packed"] = records if rank == ranks[0] else {}
+            self.storage.write_atomic(manifest_key(rank), with_digest(manifest))
+
+    def _shards(self, meta: ArrayMeta, region: tuple[slice, ...], local: np.ndarray
+                ) -> list[tuple[ArrayMeta, tuple[int, ...], np.ndarray]]:
+        """The shards of a block: (record, grid index, the shard's part of ``local``) each."""
+        out = []
+        for idx in meta.shards_in(region):
+            sreg = meta.shard_region(idx)
+            within: tuple[Any, ...] = tuple(slice(s.start - r.start, s.stop - r.start)
+                                            for s, r in zip(sreg, region, strict=True))
+            out.append((meta, idx, local[(*within, ...)]))  # the Ellipsis keeps 0-d an array
+        return out
 
     def _shard_jobs(self, meta: ArrayMeta, region: tuple[slice, ...], local: np.ndarray) -> list[Any]:
         if self.engine == "tensorstore" and meta.shape:
             from .engines import write_with_tensorstore
 
             return [lambda: write_with_tensorstore(self.storage, meta, region, local)]
-        jobs = []
-        for idx in meta.shards_in(region):
-            sreg = meta.shard_region(idx)
-            within: tuple[Any, ...] = tuple(slice(s.start - r.start, s.stop - r.start)
-                                            for s, r in zip(sreg, region, strict=True))
-            sub = local[(*within, ...)]  # the Ellipsis keeps a 0-d piece an array
-            key = meta.shard_key(idx)
-            jobs.append(lambda key=key, sub=sub, idx=idx: self.storage.write(key, encode_shard(sub, meta, idx)))
-        return jobs
+        return [functools.partial(_write_shard, self.storage, *s) for s in self._shards(meta, region, local)]
+
+    def _encode(self, shards: list[tuple[ArrayMeta, tuple[int, ...], np.ndarray]]) -> list[tuple[str, list[Any]]]:
+        """Encode shards (crc32c, compression) on the pool: (key, buffers) each, in order."""
+        jobs = [functools.partial(_encode_one, *s) for s in shards]
+        return pool.run_batched(jobs, [s[2].nbytes for s in shards], self.storage.local)
+
+    def _pack(self, writer: str, blobs: list[tuple[str, list[Any]]]) -> dict[str, list[Any]]:
+        """Write encoded shards into this writer's data objects; their locations, keyed by shard key."""
+        where = packed.write_pack(self.root, f"{self.generation}/{PACKED_DIR}", writer,
+                                  blobs, self.object_bytes)
+        return {k: list(v) for k, v in where.items()}
 
     def _manifest(self, rank: int, metas: dict[str, ArrayMeta], leaves: dict[str, Any]) -> dict[str, Any]:
         expected = sorted(set().union(*(m.layout.ranks for m in metas.values()), {rank}))
@@ -273,7 +346,21 @@ class CheckpointWriter:
             ranks = sorted(set().union(*(self.layout(n).ranks for n in names)))
         elif ranks is not None and names:
             ranks = sorted(set(ranks).union(*(self.layout(n).ranks for n in names)))
-        return commit(self.root, save_id=self.save_id, ranks=ranks, **options)
+        # where the manifests are: a packed rank's in its data object; write_manifests' as JSON
+        form = None if self._json_manifests else self.form
+        return commit(self.root, save_id=self.save_id, ranks=ranks, **{"form": form, **options})
+
+
+#: The storage form new checkpoints get (chosen by measurement: docs/performance.md).
+DEFAULT_FORM = "directory"
+
+
+def _write_shard(storage: Storage, meta: ArrayMeta, idx: tuple[int, ...], data: np.ndarray) -> None:
+    storage.write(meta.shard_key(idx), encode_shard(data, meta, idx))
+
+
+def _encode_one(meta: ArrayMeta, idx: tuple[int, ...], data: np.ndarray) -> tuple[str, list[Any]]:
+    return meta.shard_key(idx), encode_shard(data, meta, idx)
 
 
 def _np(dtype: str) -> Any:
@@ -320,6 +407,10 @@ def create(url: str, layouts: LayoutSpec, **options: Any) -> CheckpointWriter:
         boundaries: many small objects); ``"auto"`` (default), ``"exact"``, or
         ``"regular"`` with ``engine="tensorstore"``. Regular layouts always get
         one shard per block on a regular grid. See docs/format.md.
+        ``form``: ``"packed"`` (default: each rank's shards back to back in one
+        data object, plus kerchunk references) or ``"directory"`` (one object
+        per shard, for TensorStore); ``object_bytes``: packed form, a rank's
+        data goes on in a new object once one holds this many bytes (4 GiB).
 
     Raises
     ------

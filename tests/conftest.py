@@ -27,3 +27,9 @@ def s3_proxy(s3_server: LocalS3Server) -> Iterator[S3Proxy]:
 def s3_bucket(s3_server: LocalS3Server) -> str:
     """Name of a fresh, empty bucket on ``s3_server``."""
     return s3_server.make_bucket()
+
+
+@pytest.fixture(params=["packed", "directory"])
+def form(request: pytest.FixtureRequest) -> str:
+    """Each storage form in turn (``create(..., form=form)``): suites run on both."""
+    return str(request.param)

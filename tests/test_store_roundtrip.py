@@ -53,7 +53,7 @@ def check_every_rank(ckpt: rs.Checkpoint, full: dict[str, np.ndarray], target: d
     ],
     ids=["8to7", "seed000-4to2", "64to1", "64to56", "oneflow-balanced", "dtensor-ceil-empty"],
 )
-def test_redivision_round_trip(tmp_path, source, target):
+def test_redivision_round_trip(tmp_path, source, target, form):
     shapes = {"a.w": (40, 56), "a.b": (56,), "emb": (5, 24)}
     shapes_ok = {}
     for name, shape in shapes.items():
@@ -64,12 +64,14 @@ def test_redivision_round_trip(tmp_path, source, target):
             continue  # an even split that does not divide, or a map for another rank
     assert shapes_ok, "every shape was refused"
     full = {n: RNG.standard_normal(s).astype(np.float32) for n, s in shapes_ok.items()}
-    rs.save(full, tmp_path / "ck", {n: source(s) for n, s in shapes_ok.items()})
+    rs.save(full, tmp_path / "ck", {n: source(s) for n, s in shapes_ok.items()}, form=form)
     ckpt = rs.open(tmp_path / "ck")
+    assert ckpt.form == form
     check_every_rank(ckpt, full, {n: target(s) for n, s in shapes_ok.items()})
     # the same through redivide(): a new checkpoint whose shards follow the target
-    rs.redivide(ckpt, tmp_path / "re", {n: target(s) for n, s in shapes_ok.items()})
+    rs.redivide(ckpt, tmp_path / "re", {n: target(s) for n, s in shapes_ok.items()}, form=form)
     again = rs.open(tmp_path / "re")
+    assert again.form == form
     for name in shapes_ok:
         np.testing.assert_array_equal(again[name].read(), full[name])
         assert again[name].layout == target(shapes_ok[name])
@@ -95,13 +97,13 @@ def test_mindspore_opt_sharded_moments(tmp_path):
 
 @pytest.mark.parametrize("dtype", rs.SUPPORTED_DTYPES)
 @pytest.mark.parametrize("compression", [None, "zstd"])
-def test_every_dtype_bit_exact(tmp_path, dtype, compression):
+def test_every_dtype_bit_exact(tmp_path, dtype, compression, form):
     np_dtype = numpy_dtype(dtype)
     raw = RNG.integers(0, 256, size=(6, 10 * np_dtype.itemsize), dtype=np.uint8)
     arr = raw.view(np_dtype) if dtype != "bool" else raw.astype(bool)
     lay = Layout.from_dtensor((3,), ["S(0)"], arr.shape)
     rs.save({"t": arr, "scalar": arr[0, :1].reshape(())}, tmp_path / "ck",
-            {"t": lay, "scalar": Layout.single(())}, compression=compression)
+            {"t": lay, "scalar": Layout.single(())}, compression=compression, form=form)
     ckpt = rs.open(tmp_path / "ck")
     assert ckpt["t"].dtype == np_dtype
     np.testing.assert_array_equal(bits(ckpt["t"].read()), bits(arr))

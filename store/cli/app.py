@@ -32,6 +32,7 @@ from .verify import cmd_verify
 from .write import (
     EXPORT_FORMATS,
     OPT_WORDS,
+    cmd_convert,
     cmd_demo,
     cmd_export,
     cmd_gc,
@@ -44,9 +45,9 @@ from .write import (
 __all__ = [
     "Parser", "build_parser", "main", "register_import",
     # the commands and their helpers, importable from here as before the split
-    "OPT_WORDS", "SLAB_BYTES", "cmd_demo", "cmd_diff", "cmd_export", "cmd_inspect", "cmd_redivide", "cmd_show",
-    "cmd_verify", "compare", "load_layout_spec", "parse_region", "short_layouts", "slabs", "storage_options",
-    "tensor_stats",
+    "OPT_WORDS", "SLAB_BYTES", "cmd_convert", "cmd_demo", "cmd_diff", "cmd_export", "cmd_inspect", "cmd_redivide",
+    "cmd_show", "cmd_verify", "compare", "load_layout_spec", "parse_region", "short_layouts", "slabs",
+    "storage_options", "tensor_stats",
 ]
 
 
@@ -150,6 +151,13 @@ def build_parser() -> argparse.ArgumentParser:
                                                             "over dp (MindSpore optimizer sharding)")
     p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
     p.add_argument("--compression", choices=["zstd"], help="compress the new chunks")
+    p = add("convert", cmd_convert, "write SRC again at DST in another storage form (same layouts)", json_out=False)
+    p.add_argument("src")
+    p.add_argument("dst", help="where the converted checkpoint goes; SRC itself with --overwrite converts in place")
+    p.add_argument("--form", choices=["directory", "packed"], required=True,
+                   help="directory: one object per shard (TensorStore reads it); packed: one data object per rank "
+                        "plus kerchunk references")
+    p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
     p = add("export", cmd_export, "stream every tensor into one file (safetensors, npz, torch), "
             "or into MindSpore per-rank files", json_out=False)
     p.usage = ("%(prog)s [-h] [-S KEY=VALUE] [--format F] [--strategy FILE] [--max-shard-size SIZE] [--prefix P] "

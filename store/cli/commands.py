@@ -135,7 +135,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     totals = {"tensors": len(metas), "nbytes": sum(m.nbytes for m in metas),
               "shards": sum(math.prod(m.grid) for m in metas), "ranks": len(ranks)}
     data = {"url": ckpt.url, "committed": ckpt.committed, "save_id": ckpt.save_id, "zarr_url": ckpt.zarr_url,
-            "tensors": info, "leaves": ckpt.leaves, "totals": totals}
+            "form": ckpt.form, "references_url": ckpt.references_url, "tensors": info, "leaves": ckpt.leaves,
+            "totals": totals}
     if args.json:
         emit(args, data, "")
         return 0
@@ -148,7 +149,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in (head, *rows)) for i in range(len(head))]
     state = "committed" if ckpt.committed else "UNCOMMITTED"
     print(f"{ckpt.url}  ({state}, saved by {len(ranks)} ranks)")
-    print(f"zarr group (plain zarr, TensorStore, dask): {ckpt.zarr_url}")
+    if ckpt.references_url is None:
+        print(f"zarr group (plain zarr, TensorStore, dask): {ckpt.zarr_url}")
+    else:
+        print(f"packed form; zarr group through references (plain zarr, dask; docs/format.md): {ckpt.references_url}")
     for r in (head, *rows):
         print("  ".join(c.rjust(w) if i >= 4 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
               .rstrip())

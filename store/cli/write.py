@@ -95,6 +95,26 @@ def cmd_redivide(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    """``reshard convert SRC DST --form F``: write SRC again in storage form F, same layouts."""
+    from reshard.layouts.errors import CheckpointExistsError
+
+    from ..ops import convert
+
+    ckpt = open_url(args.src, args)
+    t0 = time.perf_counter()
+    try:
+        stats = convert(ckpt, args.dst, args.form, overwrite=args.overwrite,
+                        storage_options=storage_options(args.storage_option))
+    except CheckpointExistsError:
+        raise CheckpointExistsError(f"{args.dst} already holds a committed checkpoint (--overwrite replaces it)"
+                                    ) from None
+    seconds = time.perf_counter() - t0
+    print(f"converted {len(ckpt.arrays)} tensors, {human_bytes(ckpt.nbytes)}, {args.src} ({ckpt.form}) -> "
+          f"{args.dst} ({args.form}) in {seconds:.2f} s; wrote {stats.writes} objects")
+    return 0
+
+
 # ------------------------------------------------------ export, demo
 EXPORT_FORMATS = ("safetensors", "npz", "torch", "mindspore")
 

@@ -182,6 +182,7 @@ def marker_fields(doc: Any, where: str) -> dict[str, Any]:
     ranks = doc.get("ranks", [])
     digest = doc.get("metadata_sha256")
     form = doc.get("form", "directory")
+    refs_digest = doc.get("references_sha256")
     if not isinstance(generation, str):
         raise _fail(where, "generation", "a string", generation)
     if (save_id is not None and not isinstance(save_id, str | int)) or isinstance(save_id, bool):
@@ -194,8 +195,11 @@ def marker_fields(doc: Any, where: str) -> dict[str, Any]:
         raise _fail(where, "metadata_sha256", "64 lowercase hex digits", digest)
     if not isinstance(form, str):
         raise _fail(where, "form", "a string", form)
+    if refs_digest is not None and (not isinstance(refs_digest, str) or not _HEX64.fullmatch(refs_digest)):
+        raise _fail(where, "references_sha256", "64 lowercase hex digits", refs_digest)
     out.update(generation=generation, save_id=None if save_id is None else str(save_id), time=float(time),
-               tensors=tensors, ranks=list(int_list(ranks, where, "ranks")), metadata_sha256=digest, form=form)
+               tensors=tensors, ranks=list(int_list(ranks, where, "ranks")), metadata_sha256=digest, form=form,
+               references_sha256=refs_digest)
     return out
 
 

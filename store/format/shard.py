@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -322,6 +322,13 @@ def coalesce(reads: Iterable[ChunkRead], gap: int, max_bytes: int = 64 << 20,
 
 
 # ------------------------------------------------------------------ execute
+class Target(NamedTuple):
+    """Where one chunk read goes: its tensor's record and destination array."""
+
+    meta: ArrayMeta
+    dest: np.ndarray
+
+
 def execute(storage: Storage, req: Request, meta: ArrayMeta, dest: np.ndarray,
             blob: memoryview | None = None) -> int:
     """Run one request: fetch its bytes, check crc32c, place every chunk.
@@ -336,19 +343,35 @@ def execute(storage: Storage, req: Request, meta: ArrayMeta, dest: np.ndarray,
         whole = storage.read(req.key)
         _place(memoryview(whole), req.reads[0], meta, dest)
         return len(whole)
-    tail = 4 if meta.checksums else 0
-    flat = _bytes_view(dest) if dest.flags.c_contiguous else None
+    return execute_mixed(storage, req, [Target(meta, dest)] * len(req.reads), blob)
+
+
+def execute_mixed(storage: Storage, req: Request, targets: Sequence[Target],
+                  blob: memoryview | None = None) -> int:
+    """:func:`execute` for a request whose reads go to several tensors (``targets[i]`` for ``req.reads[i]``).
+
+    The packed form merges reads of neighbouring shards of different tensors
+    into one request; each read is still checked and placed on its own.
+    ``blob`` holds the request's bytes when already fetched (offsets relative to it).
+    """
+    flats: dict[int, memoryview | None] = {}
+    for t in targets:
+        if id(t.dest) not in flats:
+            flats[id(t.dest)] = _bytes_view(t.dest) if t.dest.flags.c_contiguous else None
+    tails = [4 if t.meta.checksums else 0 for t in targets]
     fetched = 0
     if blob is None:
-        pieces = _fetch(storage, req, dest, flat, tail)
+        pieces = _fetch(storage, req, targets, flats, tails)
         fetched = req.nbytes
     else:
-        if any(r.offset + r.nbytes > blob.nbytes for r in req.reads):
-            raise FormatError(f"tensor {meta.name!r}: {storage.url}/{req.key} is shorter than its index says "
-                              "(truncated)")
+        for r, t in zip(req.reads, targets, strict=True):
+            if r.offset + r.nbytes > blob.nbytes:
+                raise FormatError(f"tensor {t.meta.name!r}: {storage.url}/{req.key} is shorter than its index says "
+                                  "(truncated)")
         pieces = [(r, blob[r.offset : r.offset + r.nbytes - tail],
-                   blob[r.offset + r.nbytes - tail : r.offset + r.nbytes]) for r in req.reads]
-    for r, data, crc in pieces:
+                   blob[r.offset + r.nbytes - tail : r.offset + r.nbytes])
+                  for r, tail in zip(req.reads, tails, strict=True)]
+    for (r, data, crc), (meta, dest), tail in zip(pieces, targets, tails, strict=True):
         if tail and crc32c(data) != int.from_bytes(crc, "little"):
             raise ChecksumError(
                 f"tensor {meta.name!r}: chunk at byte {r.offset} of {storage.url}/{r.key} "
@@ -357,32 +380,32 @@ def execute(storage: Storage, req: Request, meta: ArrayMeta, dest: np.ndarray,
         if not r.direct:
             _decode_into(data, r, meta, dest)
         elif blob is not None:
-            _dest_bytes(dest, flat, r, data.nbytes)[:] = data
+            _dest_bytes(dest, flats[id(dest)], r, data.nbytes)[:] = data
     return fetched
 
 
-def _fetch(storage: Storage, req: Request, dest: np.ndarray, flat: memoryview | None,
-           tail: int) -> list[tuple[ChunkRead, memoryview, memoryview]]:
+def _fetch(storage: Storage, req: Request, targets: Sequence[Target], flats: dict[int, memoryview | None],
+           tails: Sequence[int]) -> list[tuple[ChunkRead, memoryview, memoryview]]:
     """One ``read_into`` for the whole request: (read, its data, its crc) per chunk."""
     gaps, temp, pos = 0, 0, req.start
-    for r in req.reads:
+    for r, tail in zip(req.reads, tails, strict=True):
         gaps = max(gaps, r.offset - pos)
         temp += 0 if r.direct else r.nbytes - tail
         pos = r.offset + r.nbytes
     scratch = _bytes_view(np.empty(temp + gaps, dtype=np.uint8))  # not zero-filled, unlike bytearray
-    crcs = memoryview(bytearray(tail * len(req.reads)))
+    crcs = memoryview(bytearray(sum(tails)))
     buffers: list[memoryview] = []
     pieces = []
-    pos, at = req.start, gaps  # scratch[:gaps] takes every gap in turn
-    for i, r in enumerate(req.reads):
+    pos, at, c = req.start, gaps, 0  # scratch[:gaps] takes every gap in turn
+    for r, (_, dest), tail in zip(req.reads, targets, tails, strict=True):
         if r.offset > pos:
             buffers.append(scratch[: r.offset - pos])
         body = r.nbytes - tail
         if r.direct:
-            data = _dest_bytes(dest, flat, r, body)
+            data = _dest_bytes(dest, flats[id(dest)], r, body)
         else:
             data, at = scratch[at : at + body], at + body
-        crc = crcs[i * tail : (i + 1) * tail]
+        crc, c = crcs[c : c + tail], c + tail
         buffers += [data, crc] if tail else [data]
         pieces.append((r, data, crc))
         pos = r.offset + r.nbytes

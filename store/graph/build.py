@@ -33,6 +33,8 @@ import numpy as np
 
 from ..fetch import Fetcher
 from ..format.meta import ArrayMeta
+from ..format.refs import REFS_KEY, References
+from ..format.refs import parse as parse_references
 from ..io.storage import IOStats, Storage
 from ..tree import LayoutSpec, unflatten
 from .schedule import (
@@ -74,10 +76,13 @@ class Source:
     retries: int
     token: str
     small_shard_bytes: int | None = None
+    #: Packed form: the checkpoint root (references are relative to it); None for the directory form.
+    root: str | None = None
 
 
 _opened: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()  # token -> open checkpoint
 _indexes: OrderedDict[str, dict[str, np.ndarray]] = OrderedDict()  # token -> index cache, in workers
+_references: OrderedDict[str, References] = OrderedDict()  # token -> packed references, in workers
 _lock = threading.Lock()
 
 
@@ -99,7 +104,8 @@ def source_of(ckpt: Checkpoint, gap: int | None = None) -> Source:
     storage = fetcher.storage
     options = dict(getattr(storage.fs, "storage_options", None) or {})
     return Source(storage.url, options, fetcher.engine, fetcher.gap if gap is None else int(gap),
-                  storage.retries, token, fetcher.small_shard_bytes)
+                  storage.retries, token, fetcher.small_shard_bytes,
+                  None if fetcher.refs is None else fetcher.root.url)
 
 
 def open_source(source: Source) -> Fetcher:
@@ -109,18 +115,34 @@ def open_source(source: Source) -> Fetcher:
     """
     storage = Storage(source.url, dict(source.storage_options), retries=source.retries)
     home = _opened.get(source.token)
+    root = Storage(source.root, dict(source.storage_options), retries=source.retries) if source.root else None
     with _lock:
         if home is not None:
-            indexes = home.fetcher.indexes
-        else:  # a worker process: a small LRU of index caches, one per checkpoint
+            indexes, refs = home.fetcher.indexes, home.fetcher.refs
+        else:  # a worker process: a small LRU of index caches (and references), one per checkpoint
             cache = _indexes.pop(source.token, None)
             indexes = _indexes[source.token] = cache if cache is not None else {}
             while len(_indexes) > 16:
                 _indexes.popitem(last=False)
-    fetcher = Fetcher(storage, source.engine, source.gap, indexes)
+            refs = _references.get(source.token)
+    if root is not None and refs is None:
+        refs = _load_references(storage, source.token)
+    fetcher = Fetcher(storage, source.engine, source.gap, indexes, refs=refs, root=root)
+    if root is not None:  # one counter for the task's reads, through either storage
+        root.stats = storage.stats
     if source.small_shard_bytes is not None:
         fetcher.small_shard_bytes = source.small_shard_bytes
     return fetcher
+
+
+def _load_references(storage: Storage, token: str) -> References:
+    """A packed checkpoint's references, read once per worker process (the marker vouched for them at open)."""
+    refs = parse_references(f"{storage.url}/{REFS_KEY}", storage.read(REFS_KEY))
+    with _lock:
+        _references[token] = refs
+        while len(_references) > 16:
+            _references.popitem(last=False)
+    return refs
 
 
 def count_home(source: Source, stats: IOStats) -> None:

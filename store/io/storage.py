@@ -141,6 +141,19 @@ class Storage:
         self.count(requests=1, bytes_fetched=len(data))
         return bytes(data)
 
+    def read_tail(self, key: str, nbytes: int) -> bytes:
+        """Read the last ``nbytes`` of an object, or all of it if it is shorter: one request."""
+        if self.local:
+            def tail() -> bytes:
+                with open(self.path(key), "rb") as f:
+                    f.seek(max(0, f.seek(0, os.SEEK_END) - nbytes))
+                    return f.read()
+            data = self._call(key, tail)
+        else:
+            data = self._call(key, lambda: self.fs.cat_file(self.path(key), start=-nbytes))
+        self.count(requests=1, bytes_fetched=len(data))
+        return bytes(data)
+
     def read_into(self, key: str, offset: int, buffers: Sequence[memoryview]) -> None:
         """Fill ``buffers`` (in order) from the bytes at ``offset``: one request."""
         total = sum(b.nbytes for b in buffers)

@@ -1,0 +1,154 @@
+"""The packed form's references: kerchunk/fsspec reference documents (version 1).
+
+In the packed storage form every rank writes its shard objects (unchanged
+``sharding_indexed`` bytes) back to back into one data object per rank, and the
+commit writes one references file per save, ``<generation>/refs.json``::
+
+    {"version": 1,
+     "templates": {"root": "."},
+     "refs": {"zarr.json": "<root group document, the same bytes as the directory form's>",
+              "model/w/zarr.json": "<array document>",
+              "model/w/c/0/1": ["{{root}}/gen-7/packed/3.bin", 4096, 81920], ...}}
+
+Every zarr key of the save maps to its bytes: documents inline (JSON text),
+shards as ``[url, offset, length]``. Urls are relative to the checkpoint root
+through the ``root`` template, so copying or moving the checkpoint's folder
+keeps it valid: fsspec's ``reference://`` filesystem resolves them with
+``template_overrides={"root": url}`` (docs/format.md has the two-line recipe), and
+reshard's own reader takes the part after ``{{root}}/`` as a key under the root.
+A reference may point into another generation's object (``{{root}}/gen-6/...``),
+which incremental saves use. Pure functions and records; no I/O here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from reshard.layouts.errors import FormatError
+
+#: The two storage forms: one object per zarr key, or per-rank data objects + references.
+FORMS = ("directory", "packed")
+#: Key of a packed save's references, relative to its generation.
+REFS_KEY = "refs.json"
+#: Folder of a packed save's data objects, relative to its generation.
+PACKED_DIR = "packed"
+#: The template every reference url starts with: the checkpoint root.
+ROOT_TEMPLATE = "root"
+_PREFIX = "{{" + ROOT_TEMPLATE + "}}/"
+#: A rank's data goes on in a new object once the current one holds this many bytes.
+DEFAULT_OBJECT_BYTES = 4 << 30
+
+#: A shard's location: (object key relative to the checkpoint root, offset, length).
+Location = tuple[str, int, int]
+
+
+def check_form(form: str) -> str:
+    """``form`` if it is one of :data:`FORMS`, else ValueError."""
+    if form not in FORMS:
+        raise ValueError(f"storage form must be one of {FORMS}, got {form!r}")
+    return form
+
+
+#: The last 8 bytes of a rank's data object that carries its manifest.
+TRAILER_MAGIC = b"RSHDMAN1"
+#: Bytes of the trailer after the manifest: its length (uint64, little endian) and the magic.
+TRAILER_BYTES = 16
+
+
+def rank_object(rank: int) -> str:
+    """Key (relative to the generation) of the data object that carries rank ``rank``'s manifest.
+
+    A writer's data objects are ``packed/<writer>.bin`` (its last, written last: a
+    rank's carries its manifest) and ``packed/<writer>-<n>.bin`` (the others, when
+    its data exceeds ``object_bytes``); block writers use random tokens as names.
+    """
+    return f"{PACKED_DIR}/{rank}.bin"
+
+
+def trailer(manifest: bytes) -> bytes:
+    """The bytes a rank appends to its last data object: its manifest, then its length and the magic.
+
+    The manifest travels inside the data object, so a rank's save is one object
+    (one PUT): the object count stays ranks + a few.
+    """
+    return manifest + len(manifest).to_bytes(8, "little") + TRAILER_MAGIC
+
+
+def trailer_length(where: str, tail: bytes) -> int:
+    """The manifest length a data object's last :data:`TRAILER_BYTES` bytes record (FormatError if none)."""
+    if len(tail) < TRAILER_BYTES or tail[-8:] != TRAILER_MAGIC:
+        raise FormatError(f"{where}: the data object does not end with a manifest (truncated or not reshard's)")
+    return int.from_bytes(tail[-16:-8], "little")
+
+
+def build(documents: Mapping[str, bytes], shards: Mapping[str, Location]) -> bytes:
+    """The references file of a save.
+
+    Parameters
+    ----------
+    documents : mapping
+        ``{zarr key: JSON bytes}``: the root ``zarr.json`` and every array's
+        and group's ``<path>/zarr.json``.
+    shards : mapping
+        ``{shard key: (object key relative to the root, offset, length)}``.
+    """
+    refs: dict[str, Any] = {k: v.decode() for k, v in documents.items()}
+    for key in sorted(shards):
+        obj, offset, length = shards[key]
+        refs[key] = [_PREFIX + obj, int(offset), int(length)]
+    return json.dumps({"version": 1, "templates": {ROOT_TEMPLATE: "."}, "refs": refs},
+                      separators=(",", ":")).encode()
+
+
+@dataclass(frozen=True)
+class References:
+    """A parsed references file: the root document and where every shard's bytes are.
+
+    Attributes
+    ----------
+    root : bytes
+        The save's root ``zarr.json`` (consolidated metadata), as stored.
+    shards : dict
+        ``{shard key: [url, offset, length]}`` as stored (see :meth:`locate`).
+    url : str
+        The references file, for messages.
+    """
+
+    root: bytes
+    shards: dict[str, Any]
+    url: str
+
+    def locate(self, key: str, tensor: str) -> Location:
+        """Where shard ``key`` of ``tensor`` lies: (object key under the root, offset, length)."""
+        try:
+            url, offset, length = self.shards[key]
+        except KeyError:
+            raise FormatError(f"tensor {tensor!r}: shard {key!r} has no reference in {self.url}") from None
+        except (TypeError, ValueError):
+            raise FormatError(f"{self.url}: malformed reference of {key!r}: {self.shards[key]!r}") from None
+        if not isinstance(url, str) or not url.startswith(_PREFIX) or ".." in url.split("/"):
+            raise FormatError(f"{self.url}: reference of {key!r} points outside the checkpoint ({url!r})")
+        return url[len(_PREFIX):], offset, length
+
+    def objects(self) -> set[str]:
+        """Every data object the references point into (keys under the root)."""
+        return {v[0][len(_PREFIX):] for v in self.shards.values()}
+
+
+def parse(url: str, raw: bytes) -> References:
+    """Parse a references file; a :class:`FormatError` naming ``url`` for anything malformed."""
+    try:
+        doc = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise FormatError(f"{url} is not valid JSON: {e}") from None
+    refs = doc.get("refs") if isinstance(doc, dict) else None
+    if not isinstance(doc, dict) or doc.get("version") != 1 or not isinstance(refs, dict):
+        raise FormatError(f"{url}: not a version 1 references document")
+    root = refs.get("zarr.json")
+    if not isinstance(root, str):
+        raise FormatError(f"{url}: references lack the root zarr.json")
+    shards = {k: v for k, v in refs.items() if isinstance(v, list)}
+    return References(root.encode(), shards, url)

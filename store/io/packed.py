@@ -1,0 +1,154 @@
+"""Packed data objects: many shards back to back in one object, written once, read by range.
+
+A writer (a rank, or one task of a block writer) hands its encoded shards to
+:func:`plan_pack`; they go back to back into ``packed/<writer>.bin`` under the
+save's generation (more parts, ``packed/<writer>-<n>.bin``, once one holds
+``max_bytes``), and the plan says where each shard lands. Readers fetch byte ranges of such objects
+with :func:`read_ranges`, which merges ranges of one object whose gap costs less
+than a request (the cost model in docs/performance.md: ``gap`` bytes, about
+64 KiB on local disk and 1 MiB on object stores).
+
+A rank's last data object ends with the rank's manifest (``tail`` of
+:func:`write_objects`), so a rank's whole save is one object. Knows nothing of
+zarr: keys, byte ranges and buffers only.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import pool
+from .storage import Storage
+
+#: Upper bound of one merged range request.
+MAX_REQUEST_BYTES = 64 << 20
+
+
+def plan_pack(prefix: str, writer: str, blobs: Sequence[tuple[str, Sequence[Any]]], max_bytes: int
+              ) -> tuple[list[tuple[str, list[Any]]], dict[str, tuple[str, int, int]]]:
+    """Lay blobs out back to back in data objects: the objects (name, buffers) and where each blob lies.
+
+    Parameters
+    ----------
+    prefix : str
+        Folder of the objects (``gen-<id>/packed`` under the root, or ``packed`` under a generation).
+    writer : str
+        Unique per writer of the save (a rank number, or a random token).
+    blobs : sequence of (key, buffers)
+        Each blob's bytes as a list of buffers, in the order they go.
+    max_bytes : int
+        A new object starts once the current one holds at least this many bytes.
+
+    The last object is ``<prefix>/<writer>.bin``, the others ``<prefix>/<writer>-<n>.bin``
+    (the names :mod:`reshard.store.format.refs` documents); ``{blob key: (object, offset, length)}``.
+    """
+    groups: list[list[tuple[str, Sequence[Any], int]]] = []
+    filled = max_bytes  # start a first object on the first blob
+    for key, parts in blobs:
+        size = sum(memoryview(p).nbytes for p in parts)
+        if filled >= max_bytes:
+            groups.append([])
+            filled = 0
+        groups[-1].append((key, parts, size))
+        filled += size
+    groups = groups or [[]]
+    objects: list[tuple[str, list[Any]]] = []
+    where: dict[str, tuple[str, int, int]] = {}
+    for n, group in enumerate(groups):
+        name = f"{prefix}/{writer}.bin" if n == len(groups) - 1 else f"{prefix}/{writer}-{n + 1}.bin"
+        buffers: list[Any] = []
+        offset = 0
+        for key, parts, size in group:
+            buffers += parts
+            where[key] = (name, offset, size)
+            offset += size
+        objects.append((name, buffers))
+    return objects, where
+
+
+def write_objects(storage: Storage, objects: list[tuple[str, list[Any]]], tail: bytes = b"") -> None:
+    """Write planned objects, ``tail`` appended to the last; the last is written after the others.
+
+    Each object is one request (local: ``writev``; remote: one PUT). The last
+    one (which carries a rank's manifest) appears only once every other part is there.
+    """
+    *first, (name, buffers) = objects
+    pool.run_all([functools.partial(storage.write, n, b) for n, b in first], storage.local)
+    storage.write(name, [*buffers, tail] if tail else buffers)
+
+
+def write_pack(storage: Storage, prefix: str, writer: str, blobs: Sequence[tuple[str, Sequence[Any]]],
+               max_bytes: int) -> dict[str, tuple[str, int, int]]:
+    """:func:`plan_pack` and :func:`write_objects` (no manifest inside); where each blob went."""
+    objects, where = plan_pack(prefix, writer, blobs, max_bytes)
+    write_objects(storage, objects)
+    return where
+
+
+def merge_ranges(ranges: Iterable[tuple[str, int, int]], gap: int,
+                 max_bytes: int = MAX_REQUEST_BYTES) -> list[tuple[str, int, int]]:
+    """Merge ``(object, start, stop)`` ranges into requests: one range per request.
+
+    Two ranges of one object become one request when the gap between them is
+    at most ``gap`` bytes (reading the gap costs less than another request) and
+    the merged request stays within ``max_bytes``. Overlapping ranges merge.
+    """
+    out: list[tuple[str, int, int]] = []
+    for key, start, stop in sorted(ranges):
+        if out and out[-1][0] == key and start - out[-1][2] <= gap and max(stop, out[-1][2]) - out[-1][1] <= max_bytes:
+            out[-1] = (key, out[-1][1], max(stop, out[-1][2]))
+        else:
+            out.append((key, start, stop))
+    return out
+
+
+class Spans:
+    """Byte ranges fetched from objects, looked up by (object, start, stop)."""
+
+    def __init__(self) -> None:
+        self._starts: dict[str, list[int]] = {}
+        self._spans: dict[str, list[tuple[int, memoryview]]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, key: str, start: int, data: memoryview) -> None:
+        with self._lock:
+            starts, spans = self._starts.setdefault(key, []), self._spans.setdefault(key, [])
+            at = bisect.bisect(starts, start)
+            starts.insert(at, start)
+            spans.insert(at, (start, data))
+
+    def get(self, key: str, start: int, stop: int) -> memoryview | None:
+        """The bytes ``[start, stop)`` of ``key`` if one fetched span holds them all, else None."""
+        starts = self._starts.get(key)
+        if not starts:
+            return None
+        at = bisect.bisect(starts, start) - 1
+        if at < 0:
+            return None
+        s0, data = self._spans[key][at]
+        if stop - s0 > data.nbytes:
+            return None
+        return data[start - s0 : stop - s0]
+
+
+def read_ranges(storage: Storage, ranges: Iterable[tuple[str, int, int]], gap: int,
+                spans: Spans | None = None) -> tuple[Spans, list[int]]:
+    """Fetch byte ranges, merged by :func:`merge_ranges`; return them and each request's bytes."""
+    requests = merge_ranges(ranges, gap)
+    spans = spans if spans is not None else Spans()
+
+    def fetch(key: str, start: int, stop: int) -> int:
+        buf: Any = memoryview(np.empty(stop - start, dtype=np.uint8))  # type: ignore[arg-type]  # not zero-filled
+        storage.read_into(key, start, [buf])
+        spans.add(key, start, buf)
+        return stop - start
+
+    sizes = pool.run_batched([functools.partial(fetch, *r) for r in requests], [r[2] - r[1] for r in requests],
+                             storage.local)
+    return spans, sizes

@@ -1,0 +1,247 @@
+"""The packed storage form: per-rank data objects + kerchunk references (issue 12 item 1).
+
+Plain zarr-python and dask read it through fsspec's ``reference://`` filesystem
+with no reshard code; the folder can be copied and moved; reshard reads it with
+few requests (range reads merged by the cost model).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import pathlib
+import shutil
+
+import fsspec
+import numpy as np
+import pytest
+import reshard.store as rs
+import zarr
+from reshard.layouts import Layout
+from reshard.store.format import refs as references
+
+RNG = np.random.default_rng(12)
+
+
+def state_and_layouts(ranks: int = 4) -> tuple[dict[str, np.ndarray], dict[str, Layout]]:
+    rng = np.random.default_rng(12)  # the same in every process
+    full = {
+        "model.w": rng.standard_normal((64, 24)).astype(np.float32),
+        "model.b": rng.standard_normal((24,)).astype(np.float32),
+        "opt.step": np.array(7, dtype=np.int64),
+        "emb": rng.standard_normal((10, 6)).astype(np.float16),
+    }
+    layouts = {
+        "model.w": Layout.from_dtensor((ranks,), ["S(0)"], (64, 24)),
+        "model.b": Layout.from_dtensor((ranks,), ["R"], (24,)),
+        "opt.step": Layout.single(()),
+        "emb": Layout.from_oneflow(list(range(ranks)), "S(0)", (10, 6)),
+    }
+    return full, layouts
+
+
+def write_ranks(url: str, full: dict[str, np.ndarray], layouts: dict[str, Layout], ranks: list[int],
+                **options: object) -> rs.CheckpointWriter:
+    writer = rs.create(url, layouts, form="packed", **options)
+    for rank in ranks:
+        writer.write(rank, {n: a[layouts[n].region(rank)] for n, a in full.items() if rank in layouts[n].ranks})
+    return writer
+
+
+def plain_zarr_group(url: str, storage_options: dict | None = None) -> zarr.Group:
+    """The documented recipe, with no reshard code: marker -> references -> zarr."""
+    with fsspec.open(f"{url}/.reshard/commit.json", "rb", **(storage_options or {})) as f:
+        gen = json.load(f)["generation"]
+    store = zarr.storage.FsspecStore.from_url(
+        "reference://", read_only=True,
+        storage_options={"fo": f"{url}/{gen}/refs.json", "template_overrides": {"root": url},
+                         "remote_options": {**(storage_options or {}), "asynchronous": True},
+                         "target_options": storage_options or {}})
+    return zarr.open_group(store, mode="r")
+
+
+def test_one_data_object_per_rank_and_references(tmp_path):
+    full, layouts = state_and_layouts()
+    url = str(tmp_path / "ck")
+    write_ranks(url, full, layouts, [0, 1, 2, 3]).commit()
+    ckpt = rs.open(url)
+    assert ckpt.form == "packed"
+    gen = pathlib.Path(ckpt.zarr_url)
+    objects = sorted(p.relative_to(gen).as_posix() for p in gen.rglob("*") if p.is_file())
+    # one object per rank (its manifest rides at its end), the references, the lock
+    assert objects == [".reshard/commit.lock", *[f"packed/{r}.bin" for r in range(4)], "refs.json"]
+    doc = json.loads((gen / "refs.json").read_bytes())
+    assert doc["version"] == 1 and doc["templates"] == {"root": "."}
+    assert json.loads(doc["refs"]["zarr.json"])["consolidated_metadata"]["metadata"]
+    assert doc["refs"]["model/w/c/2/0"][0] == f"{{{{root}}}}/{gen.name}/packed/2.bin"
+    marker = json.loads((tmp_path / "ck" / ".reshard" / "commit.json").read_bytes())
+    assert marker["form"] == "packed" and len(marker["references_sha256"]) == 64
+    for name, arr in full.items():
+        np.testing.assert_array_equal(ckpt[name].read(), arr)
+
+
+def test_objects_split_at_object_bytes(tmp_path):
+    full, layouts = state_and_layouts(ranks=2)
+    url = str(tmp_path / "ck")
+    write_ranks(url, full, layouts, [0, 1], object_bytes=1000).commit()
+    ckpt = rs.open(url)
+    parts = sorted(p.name for p in (pathlib.Path(ckpt.zarr_url) / "packed").iterdir())
+    assert len(parts) > 2 and {"0.bin", "0-1.bin", "1.bin"} <= set(parts)
+    for name, arr in full.items():
+        np.testing.assert_array_equal(ckpt[name].read(), arr)
+
+
+def test_plain_zarr_and_dask_read_packed_after_the_folder_moved(tmp_path):
+    da = pytest.importorskip("dask.array")
+    full, layouts = state_and_layouts()
+    write_ranks(str(tmp_path / "ck"), full, layouts, [0, 1, 2, 3]).commit()
+    shutil.copytree(tmp_path / "ck", tmp_path / "copy")
+    shutil.move(tmp_path / "ck", tmp_path / "moved")  # the original place is gone
+    for where in ("copy", "moved"):
+        url = str(tmp_path / where)
+        group = plain_zarr_group(url)
+        for name, arr in full.items():
+            np.testing.assert_array_equal(group[name.replace(".", "/")][...], arr)
+        assert float(da.from_zarr(group["model/w"]).sum().compute()) == pytest.approx(float(full["model.w"].sum()),
+                                                                                     rel=1e-5)
+        ckpt = rs.open(url)
+        np.testing.assert_array_equal(ckpt["emb"].read(), full["emb"])
+        zarr_engine = rs.open(url, engine="zarr")
+        np.testing.assert_array_equal(zarr_engine["model.w"].read(), full["model.w"])
+
+
+def test_load_merges_ranges_across_tensors(tmp_path):
+    """One target rank of 3 from 4 source ranks of 40 small tensors: a request or two per source object."""
+    layouts = {f"t{i}": Layout.from_dtensor((4,), ["S(0)"], (64, 32)) for i in range(40)}
+    full = {n: RNG.standard_normal((64, 32)).astype(np.float32) for n in layouts}
+    url = str(tmp_path / "ck")
+    write_ranks(url, full, layouts, [0, 1, 2, 3]).commit()
+    ckpt = rs.open(url)
+    target = {n: Layout.from_dtensor((3,), ["S(0)"], (64, 32)) for n in layouts}
+    got = ckpt.load(target, 1)
+    for name in layouts:
+        np.testing.assert_array_equal(got[name], full[name][target[name].region(1)])
+    needed = sum(a.nbytes for a in got.values())
+    stats = ckpt.last_stats
+    assert stats.requests <= 2  # rows 21..43 lie in source ranks 1 and 2: one request each
+    assert stats.bytes_fetched <= 2 * needed
+    # shards lie back to back: merged even with no gap allowed; a negative gap merges nothing
+    assert rs.open(url, gap=0).load(target, 1) and True
+    tight = rs.open(url, gap=-1)
+    tight.load(target, 1)
+    assert tight.last_stats.requests >= 40
+
+
+def test_corrupted_references_and_data_are_refused(tmp_path):
+    full, layouts = state_and_layouts()
+    url = str(tmp_path / "ck")
+    write_ranks(url, full, layouts, [0, 1, 2, 3]).commit()
+    gen = pathlib.Path(rs.open(url).zarr_url)
+    data = gen / "packed" / "1.bin"
+    raw = bytearray(data.read_bytes())
+    raw[3] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(rs.ChecksumError):
+        rs.open(url).read_all()
+    refs = gen / "refs.json"
+    refs.write_bytes(refs.read_bytes().replace(b'"version":1', b'"version":1 '))
+    with pytest.raises(rs.FormatError, match="references"):
+        rs.open(url)
+
+
+def test_missing_rank_is_named_and_uncommitted_opens_from_manifests(tmp_path):
+    full, layouts = state_and_layouts()
+    url = str(tmp_path / "ck")
+    writer = write_ranks(url, full, layouts, [0, 1, 3])
+    with pytest.raises(rs.UncommittedCheckpointError, match=r"ranks \[2\]"):
+        writer.commit()
+    ckpt = rs.open(url, allow_uncommitted=True)
+    assert ckpt.form == "packed"
+    np.testing.assert_array_equal(ckpt["model.w"][0:16].read(), full["model.w"][:16])
+
+
+def test_references_refuse_paths_outside_the_checkpoint():
+    raw = references.build({"zarr.json": b"{}"}, {"a/c/0": ("../elsewhere/x.bin", 0, 4)})
+    parsed = references.parse("refs.json", raw)
+    with pytest.raises(rs.FormatError, match="outside"):
+        parsed.locate("a/c/0", "a")
+    with pytest.raises(rs.FormatError, match="no reference"):
+        parsed.locate("a/c/1", "a")
+
+
+def _write_rank(url: str, rank: int, opts: dict) -> None:
+    full, layouts = state_and_layouts()
+    writer = rs.create(url, layouts, form="packed", storage_options=opts)
+    writer.write(rank, {n: a[layouts[n].region(rank)] for n, a in full.items() if rank in layouts[n].ranks})
+
+
+def test_packed_on_s3_rank_processes_plain_zarr_and_gets(s3_proxy, s3_bucket):
+    opts = s3_proxy.storage_options()
+    url = f"s3://{s3_bucket}/packed"
+    s3_proxy.reset_counters()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_write_rank, args=(url, r, opts)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for r in (2, 3):
+        _write_rank(url, r, opts)
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    assert len(s3_proxy.records(method="PUT")) == 4  # one per rank: shards and manifest in one object
+    s3_proxy.reset_counters()
+    rs.commit(url, storage_options=opts, form="packed")
+    puts = s3_proxy.records(method="PUT")
+    assert len(puts) <= 3  # the lock, the references, the marker
+    full, _ = state_and_layouts()
+    s3_proxy.reset_counters()
+    ckpt = rs.open(url, storage_options=opts)
+    target = {"model.w": Layout.from_dtensor((4,), ["S(0)"], (64, 24))}
+    got = ckpt.load(target, 2)["model"]["w"]
+    np.testing.assert_array_equal(got, full["model.w"][32:48])
+    # marker + references, one range of the one source object touched, the after-read marker check
+    assert len(s3_proxy.records(method="GET")) <= 2 + 2 * 1
+    group = plain_zarr_group(url, opts)
+    np.testing.assert_array_equal(group["emb"][...], full["emb"])
+
+
+# ------------------------------------------------------------------ convert
+def test_convert_both_ways_and_tensorstore_reads_the_directory_form(tmp_path):
+    full, layouts = state_and_layouts()
+    src = str(tmp_path / "packed")
+    write_ranks(src, full, layouts, [0, 1, 2, 3], compression="zstd").commit()
+    rs.convert(src, str(tmp_path / "dir"), "directory")
+    directory = rs.open(str(tmp_path / "dir"))
+    assert directory.form == "directory" and directory.references_url is None
+    assert directory.arrays["model.w"].compressor == "zstd"  # kept
+    with pytest.raises(rs.FormatError, match="directory form only"):
+        rs.open(src, engine="tensorstore").read_all()
+    pytest.importorskip("tensorstore")
+    via_ts = rs.open(str(tmp_path / "dir"), engine="tensorstore")
+    rs.convert(directory, str(tmp_path / "back"), "packed")
+    back = rs.open(str(tmp_path / "back"))
+    assert back.form == "packed"
+    for name, arr in full.items():
+        np.testing.assert_array_equal(via_ts[name].read(), arr)
+        np.testing.assert_array_equal(back[name].read(), arr)
+        assert back[name].layout == layouts[name]
+
+
+def test_convert_in_place_and_the_cli(tmp_path, capsys):
+    from reshard.store.cli.app import main
+
+    full, layouts = state_and_layouts()
+    url = str(tmp_path / "ck")
+    rs.save(full, url, layouts, form="directory")
+    with pytest.raises(rs.CheckpointExistsError):
+        rs.convert(url, url, "packed")
+    assert main(["convert", url, url, "--form", "packed", "--overwrite"]) == 0
+    assert "(directory) ->" in capsys.readouterr().out
+    ckpt = rs.open(url)
+    assert ckpt.form == "packed"
+    for name, arr in full.items():
+        np.testing.assert_array_equal(ckpt[name].read(), arr)
+    rs.gc(url, min_age=0)  # the directory-form save goes; the packed one stays whole
+    assert len([p for p in pathlib.Path(url).iterdir() if p.name.startswith("gen-")]) == 1
+    assert main(["inspect", url]) == 0
+    assert "refs.json" in capsys.readouterr().out
