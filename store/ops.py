@@ -91,7 +91,7 @@ def copy_task(task: CopyTask) -> tuple[IOStats, dict[str, tuple[str, int, int]]]
     with graph.budget(task.budget).hold(sum(op.nbytes for op in ops)):
         arrays, stats = graph.read_ops(ckpt, ops)
         if task.packed:
-            blobs = [(out.shard_key(idx), encode_shard(arr, out)) for (_, out, idx), arr in zip(task.items, arrays,
+            blobs = [(out.shard_key(idx), encode_shard(arr, out, idx)) for (_, out, idx), arr in zip(task.items, arrays,
                                                                                                  strict=True)]
             generation = task.dst.rstrip("/").rsplit("/", 1)[-1]
             where = packed.write_pack(storage, PACKED_DIR, uuid.uuid4().hex[:12], blobs, DEFAULT_OBJECT_BYTES)
