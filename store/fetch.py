@@ -180,20 +180,20 @@ class Fetcher:
         shards = [[(s, k, refs.locate(k, meta.name)) for s in meta.shards_in(region) for k in (meta.shard_key(s),)]
                   for meta, region, _ in jobs]
         ranges: list[tuple[str, int, int]] = []
-        wanted: dict[str, tuple[ArrayMeta, Location]] = {}
+        wanted: dict[str, tuple[ArrayMeta, tuple[int, ...], Location]] = {}
         for (meta, _, _), located in zip(jobs, shards, strict=True):
-            for _, key, (obj, off, n) in located:
+            for shard, key, (obj, off, n) in located:
                 if not meta.shape:
                     ranges.append((obj, off, off + n))
                 elif key not in self.indexes:
-                    wanted[key] = (meta, (obj, off, n))
+                    wanted[key] = (meta, shard, (obj, off, n))
                     whole = n <= self.small_shard_bytes  # data and index in one range
-                    ranges.append((obj, off if whole else off + n - meta.index_nbytes(), off + n))
+                    ranges.append((obj, off if whole else off + n - meta.index_nbytes(shard), off + n))
         spans, sizes = packed.read_ranges(root, ranges, self.gap)
-        for key, (meta, (obj, off, n)) in wanted.items():
-            tail = spans.get(obj, off + n - meta.index_nbytes(), off + n)
+        for key, (meta, shard, (obj, off, n)) in wanted.items():
+            tail = spans.get(obj, off + n - meta.index_nbytes(shard), off + n)
             assert tail is not None
-            self.indexes[key] = decode_index(bytes(tail), meta, key)
+            self.indexes[key] = decode_index(bytes(tail), meta, key, shard)
         work: list[tuple[Request, list[Target], memoryview | None]] = []
         far: list[ChunkRead] = []
         target_of: dict[int, Target] = {}

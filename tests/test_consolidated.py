@@ -11,6 +11,7 @@ import pytest
 import reshard.store as rs
 from reshard.layouts import Layout
 from reshard.layouts.errors import FormatError
+from reshard.store.format.schema import with_digest
 
 
 def _save(tmp_path: Path) -> str:
@@ -31,8 +32,8 @@ def _rewrite_root(url: str, edit) -> None:  # type: ignore[no-untyped-def]
     raw = json.dumps(doc).encode()
     root.write_bytes(raw)
     marker["metadata_sha256"] = hashlib.sha256(raw).hexdigest()
-    marker.pop("sha256", None)  # the marker's own digest (optional)
-    marker_path.write_text(json.dumps(marker))
+    marker.pop("sha256", None)
+    marker_path.write_bytes(with_digest(marker))  # re-sealed with the marker's own digest
 
 
 def test_open_reads_two_objects_and_defers_records(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from reshard.layouts import Layout
 from reshard.layouts.errors import FormatError
 from reshard.store.format.grid import Grid, choose_grid
 from reshard.store.format.meta import ArrayMeta
+from reshard.store.format.schema import with_digest
 from reshard.store.format.shard import _encode_chunks, encode_shard
 
 RNG = np.random.default_rng(12)
@@ -208,7 +209,7 @@ def _resign(url: Path, edit: Any) -> None:
     (gen / "zarr.json").write_bytes(raw)
     marker["metadata_sha256"] = hashlib.sha256(raw).hexdigest()
     marker.pop("sha256", None)
-    marker_path.write_text(json.dumps(marker))
+    marker_path.write_bytes(with_digest(marker))  # re-sealed with the marker's own digest
 
 
 def test_edited_grid_is_refused_naming_tensor(tmp_path: Path) -> None:
@@ -240,7 +241,7 @@ def test_manifest_with_other_edges_is_refused_at_commit(tmp_path: Path) -> None:
     doc = json.loads(path.read_text())
     doc["tensors"]["t"]["edges"] = [[5, 5, 5, 5], [6]]
     doc.pop("sha256", None)
-    path.write_text(json.dumps(doc))
+    path.write_bytes(with_digest(doc))
     with pytest.raises(FormatError, match=r"tensor 't'.*shard shape"):
         writer.commit()
 
@@ -281,7 +282,8 @@ def test_row_planner_matches_the_general_one() -> None:
             dest = np.empty(tuple(r.stop - r.start for r in region), dtype=meta.np_dtype)
             for shard in meta.shards_in(region):
                 per = meta.chunks_in(shard)
-                index = np.stack([np.arange(int(np.prod(per))) * 100, np.full(int(np.prod(per)), 100)], axis=1)
+                n = int(np.prod(meta.chunk)) * meta.np_dtype.itemsize + 4  # a stored chunk: data + crc32c
+                index = np.stack([np.arange(int(np.prod(per))) * n, np.full(int(np.prod(per)), n)], axis=1)
                 got = plan_reads(meta, region, index.astype("<u8"), shard, "k", dest)
                 want = _plan_chunks(meta, region, index.tolist(), shard, "k", dest)
                 assert got == want, (meta.name, region, shard)

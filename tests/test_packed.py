@@ -94,7 +94,8 @@ def test_objects_split_at_object_bytes(tmp_path):
 def test_plain_zarr_and_dask_read_packed_after_the_folder_moved(tmp_path):
     da = pytest.importorskip("dask.array")
     full, layouts = state_and_layouts()
-    write_ranks(str(tmp_path / "ck"), full, layouts, [0, 1, 2, 3]).commit()
+    # grid="regular": zarr-python 3.1 cannot read the rectilinear grid of the balanced "emb" (3.2+ can)
+    write_ranks(str(tmp_path / "ck"), full, layouts, [0, 1, 2, 3], grid="regular").commit()
     shutil.copytree(tmp_path / "ck", tmp_path / "copy")
     shutil.move(tmp_path / "ck", tmp_path / "moved")  # the original place is gone
     for where in ("copy", "moved"):
