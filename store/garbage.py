@@ -4,6 +4,8 @@ A checkpoint URL holds one committed save (the generation its marker names) and,
 after overwrites and crashes, others: the saves it replaced (readers that opened
 them may still be reading: they get :class:`CheckpointReplacedError` once theirs
 is gone) and attempts that never committed (possibly still being written).
+An incremental save may reference data objects of a replaced generation: those
+objects stay (the rest of that generation goes) until no committed save needs them.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 from .format.meta import LOCK_KEY, META_DIR
 from .format.refs import PACKED_DIR, REFS_KEY
 from .io.storage import Storage
-from .protocol import GENERATION_PREFIX, loads_json, read_marker
+from .protocol import GENERATION_PREFIX, Marker, generation_storage, loads_json, read_marker
 
 #: Uncommitted saves younger than this (seconds since their last manifest or lock) may still be written.
 DEFAULT_MIN_AGE = 3600.0
@@ -28,6 +30,8 @@ class Collected:
     removed: tuple[str, ...]
     kept_young: tuple[str, ...]
     legacy: bool
+    #: Objects of removed generations kept because the committed save references them.
+    kept_referenced: tuple[str, ...] = ()
 
 
 def gc(url: str | Storage, *, min_age: float = DEFAULT_MIN_AGE, dry_run: bool = False,
@@ -67,12 +71,34 @@ def gc(url: str | Storage, *, min_age: float = DEFAULT_MIN_AGE, dry_run: bool = 
         latest = max((t for t in times if t is not None), default=None)
         (young if latest is not None and now - latest < min_age else removed).append(name)
     legacy = found is not None and found[0].format_version >= 2 and root.exists("zarr.json")
+    needed = reused_objects(root, found[0]) if found is not None else set()
     if not dry_run:
         for name in removed:
-            root.delete(name)
+            delete_except(root, name, needed)
         if legacy:
             _delete_legacy(root)
-    return Collected(tuple(removed), tuple(young), legacy)
+    kept = sorted(k for k in needed if k.split("/", 1)[0] in removed)
+    return Collected(tuple(removed), tuple(young), legacy, tuple(kept))
+
+
+def reused_objects(root: Storage, marker: Marker) -> set[str]:
+    """Data objects outside its own generation that the committed save references (incremental saves)."""
+    if marker.form != "packed":
+        return set()
+    from .reader import read_references
+
+    refs = read_references(generation_storage(root, marker), marker)
+    return {obj for obj in refs.objects() if not obj.startswith(f"{marker.generation}/")}
+
+
+def delete_except(root: Storage, prefix: str, keep: set[str]) -> None:
+    """Remove everything under ``prefix`` but the objects in ``keep`` (keys of ``root``)."""
+    if not any(k == prefix or k.startswith(f"{prefix}/") for k in keep):
+        root.delete(prefix)
+        return
+    for name in root.list(prefix):
+        if f"{prefix}/{name}" not in keep:
+            delete_except(root, f"{prefix}/{name}", keep)
 
 
 def _delete_legacy(root: Storage) -> None:

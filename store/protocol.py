@@ -30,6 +30,7 @@ from reshard.layouts import Layout
 from reshard.layouts.errors import (
     BadNameError,
     CheckpointExistsError,
+    CheckpointNotFoundError,
     CommitConflictError,
     DTypeMismatchError,
     FormatError,
@@ -279,6 +280,8 @@ def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None =
             manifests = read_manifests(gen, sid, ranks, form)
         metas, leaves = merge_manifests(gen.url, manifests)
         located = merge_packed(gen.url, manifests, metas)
+        if located is not None:
+            check_reused(root, generation, located)
         refs_digest = None
         if located is None:
             raw = write_metadata(gen, metas, leaves)
@@ -350,6 +353,22 @@ def present_ranks(storage: Storage) -> list[int]:
     found = {int(n.split(".")[0]) for n in storage.list(f"{META_DIR}/ranks") if n.endswith(".json")}
     found |= {int(n[:-4]) for n in storage.list(PACKED_DIR) if n.endswith(".bin") and n[:-4].isdigit()}
     return sorted(found)
+
+
+def check_reused(root: Storage, generation: str, located: dict[str, tuple[str, int, int]]) -> None:
+    """Check that the objects an incremental save reuses (outside its own generation) are still there.
+
+    Raises
+    ------
+    CheckpointNotFoundError
+        If one is gone (its save was deleted by retention or ``gc`` meanwhile).
+    """
+    reused = sorted({obj for obj, _, _ in located.values() if not obj.startswith(f"{generation}/")})
+    gone = [obj for obj in reused if not root.exists(obj)]
+    if gone:
+        raise CheckpointNotFoundError(f"{root.url}: this incremental save references {len(gone)} object(s) of its "
+                                      f"base that are gone (e.g. {gone[0]!r}; deleted meanwhile?); save it again "
+                                      "without that base")
 
 
 def read_manifests(storage: Storage, save_id: str | None = None,

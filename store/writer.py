@@ -48,6 +48,7 @@ from .format.meta import (
 from .format.refs import DEFAULT_OBJECT_BYTES, PACKED_DIR, check_form, rank_object, trailer
 from .format.schema import check_names, with_digest
 from .format.shard import SMALL_SHARD_BYTES, encode_shard
+from .incremental import Base, Reusable, digest
 from .io import packed, pool
 from .io.storage import Storage
 from .protocol import Marker, commit, generation_of, manifest_key, read_marker, save_id_of
@@ -73,6 +74,7 @@ class CheckpointWriter:
         grid: str = "auto",
         form: str | None = None,
         object_bytes: int = DEFAULT_OBJECT_BYTES,
+        base: str | None = None,
     ) -> None:
         if engine not in ("fast", "tensorstore"):
             raise ValueError(f"writer engine must be 'fast' or 'tensorstore', got {engine!r}")
@@ -84,20 +86,27 @@ class CheckpointWriter:
         #: How irregular layouts are sharded: ``"exact"`` (rectilinear, one shard per block) or ``"regular"``.
         self.grid = ("regular" if engine == "tensorstore" else "exact") if grid == "auto" else grid
         #: The storage form: ``"packed"`` (per-rank data objects + references) or ``"directory"``.
-        self.form = check_form(form if form is not None else (DEFAULT_FORM if engine == "fast" else "directory"))
+        if form is None:
+            form = "packed" if base is not None else DEFAULT_FORM if engine == "fast" else "directory"
+        self.form = check_form(form)
+        if base is not None and self.form != "packed":
+            raise ValueError("an incremental save (base=...) is written in the packed form (form='packed')")
         if self.form == "packed" and engine == "tensorstore":
             raise ValueError("the tensorstore writer engine writes the directory form only (form='directory')")
         #: Packed form: a writer's data goes on in a new object once one holds this many bytes.
         self.object_bytes = int(object_bytes)
         #: Packed form, block writers: shards written by write_block, not yet in an object.
-        self._pending: list[tuple[str, list[Any]]] = []
+        self._pending: list[tuple[str, list[Any], str]] = []
         self._pending_bytes = 0
-        #: Packed form, block writers: where write_block's shards went.
+        #: Packed form, block writers: where write_block's shards went, and their hashes.
         self._located: dict[str, Any] = {}
         self._json_manifests = False
+        self._hashes: dict[str, str] = {}
         if compression not in (None, "zstd"):
             raise ValueError(f"compression must be None or 'zstd', got {compression!r}")
         self.root = Storage(url, storage_options)
+        #: Incremental saves: the earlier save whose unchanged shards are referenced, not rewritten.
+        self.base = Base(base, self.root.url, storage_options) if base is not None else None
         self.save_id = save_id_of(save_id)
         #: Where this save's objects go: the generation's folder under the root.
         self.generation = generation_of(self.save_id)
@@ -208,8 +217,12 @@ class CheckpointWriter:
         manifest = self._manifest(rank, metas, leaves)
         if self.form == "packed":  # one object: the shards back to back, then the manifest
             blobs = self._encode([s for piece in pieces for s in self._shards(*piece)])
-            objects, where = packed.plan_pack(f"{self.generation}/{PACKED_DIR}", str(rank), blobs, self.object_bytes)
-            manifest["packed"] = {k: list(v) for k, v in where.items()}
+            reuse = self.base.for_rank(rank) if self.base is not None else Reusable()
+            found = {key: reuse.find(key, sha) for key, _, sha in blobs}
+            fresh = [(key, parts) for key, parts, _ in blobs if found[key] is None]
+            objects, where = packed.plan_pack(f"{self.generation}/{PACKED_DIR}", str(rank), fresh, self.object_bytes)
+            manifest["packed"] = {k: list(v) for k, v in {**found, **where}.items() if v is not None}
+            manifest["hashes"] = {key: sha for key, _, sha in blobs}
             packed.write_objects(self.root, objects, trailer(with_digest(manifest)))
         else:
             pool.run_all([job for piece in pieces for job in self._shard_jobs(*piece)], self.storage.local)
@@ -251,13 +264,14 @@ class CheckpointWriter:
             return
         blobs = self._encode(self._shards(meta, region, data))
         self._pending += blobs
-        self._pending_bytes += sum(memoryview(p).nbytes for _, parts in blobs for p in parts)
+        self._pending_bytes += sum(memoryview(p).nbytes for _, parts, _ in blobs for p in parts)
         if self._pending_bytes >= self.object_bytes:
             self._flush()
 
     def _flush(self) -> None:
         if self._pending:
             self._located.update(self._pack(uuid.uuid4().hex[:12], self._pending))
+            self._hashes.update((key, sha) for key, _, sha in self._pending)
         self._pending, self._pending_bytes = [], 0
 
     def write_manifests(self, metas: Mapping[str, ArrayMeta], leaves: Mapping[str, Any],
@@ -270,12 +284,14 @@ class CheckpointWriter:
         self._flush()
         self._json_manifests = True
         records = {**self._located, **(located or {})}
+        hashes = {k: v for k, v in self._hashes.items() if k in records}
         ranks = sorted(set().union(*(m.layout.ranks for m in metas.values()))) or [0]
         for rank in ranks:
             held = {n: m for n, m in metas.items() if rank in m.layout.ranks}
             manifest = self._manifest(rank, held, dict(leaves))
             if self.form == "packed":
                 manifest["packed"] = records if rank == ranks[0] else {}
+                manifest["hashes"] = hashes if rank == ranks[0] else {}
             self.storage.write_atomic(manifest_key(rank), with_digest(manifest))
 
     def _shards(self, meta: ArrayMeta, region: tuple[slice, ...], local: np.ndarray
@@ -296,15 +312,17 @@ class CheckpointWriter:
             return [lambda: write_with_tensorstore(self.storage, meta, region, local)]
         return [functools.partial(_write_shard, self.storage, *s) for s in self._shards(meta, region, local)]
 
-    def _encode(self, shards: list[tuple[ArrayMeta, tuple[int, ...], np.ndarray]]) -> list[tuple[str, list[Any]]]:
-        """Encode shards (crc32c, compression) on the pool: (key, buffers) each, in order."""
+    def _encode(self, shards: list[tuple[ArrayMeta, tuple[int, ...], np.ndarray]]) -> list[tuple[str, list[Any], str]]:
+        """Encode and hash shards (crc32c, compression, XXH3) on the pool: (key, buffers, hash) each, in order."""
         jobs = [functools.partial(_encode_one, *s) for s in shards]
         return pool.run_batched(jobs, [s[2].nbytes for s in shards], self.storage.local)
 
-    def _pack(self, writer: str, blobs: list[tuple[str, list[Any]]]) -> dict[str, list[Any]]:
+    def _pack(self, writer: str, blobs: list[tuple[str, list[Any], str]]) -> dict[str, list[Any]]:
         """Write encoded shards into this writer's data objects; their locations, keyed by shard key."""
+        if not blobs:
+            return {}
         where = packed.write_pack(self.root, f"{self.generation}/{PACKED_DIR}", writer,
-                                  blobs, self.object_bytes)
+                                  [(key, parts) for key, parts, _ in blobs], self.object_bytes)
         return {k: list(v) for k, v in where.items()}
 
     def _manifest(self, rank: int, metas: dict[str, ArrayMeta], leaves: dict[str, Any]) -> dict[str, Any]:
@@ -359,8 +377,9 @@ def _write_shard(storage: Storage, meta: ArrayMeta, idx: tuple[int, ...], data: 
     storage.write(meta.shard_key(idx), encode_shard(data, meta, idx))
 
 
-def _encode_one(meta: ArrayMeta, idx: tuple[int, ...], data: np.ndarray) -> tuple[str, list[Any]]:
-    return meta.shard_key(idx), encode_shard(data, meta, idx)
+def _encode_one(meta: ArrayMeta, idx: tuple[int, ...], data: np.ndarray) -> tuple[str, list[Any], str]:
+    parts = encode_shard(data, meta, idx)
+    return meta.shard_key(idx), parts, digest(parts)
 
 
 def _np(dtype: str) -> Any:
@@ -411,6 +430,11 @@ def create(url: str, layouts: LayoutSpec, **options: Any) -> CheckpointWriter:
         data object, plus kerchunk references) or ``"directory"`` (one object
         per shard, for TensorStore); ``object_bytes``: packed form, a rank's
         data goes on in a new object once one holds this many bytes (4 GiB).
+        ``base``: an incremental save (packed form): the URL of an earlier
+        committed packed save, this checkpoint itself or one beside it (a
+        manager's previous step); a shard whose bytes (their XXH3-128 hash) equal what the
+        base's same rank wrote under the same key is referenced, not written
+        (:mod:`reshard.store.incremental`).
 
     Raises
     ------

@@ -16,8 +16,11 @@ through the ``root`` template, so copying or moving the checkpoint's folder
 keeps it valid: fsspec's ``reference://`` filesystem resolves them with
 ``template_overrides={"root": url}`` (docs/format.md has the two-line recipe), and
 reshard's own reader takes the part after ``{{root}}/`` as a key under the root.
-A reference may point into another generation's object (``{{root}}/gen-6/...``),
-which incremental saves use. Pure functions and records; no I/O here.
+A reference may point into another generation's object (``{{root}}/gen-6/...``)
+or, for an incremental save whose base is a checkpoint beside it (a manager's
+``step-<N>`` folders), into a sibling folder through the ``parent`` template
+(``{{parent}}/step-100/gen-100/packed/3-0.bin``; reshard's keys spell it
+``../step-100/...``). Pure functions and records; no I/O here.
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ PACKED_DIR = "packed"
 #: The template every reference url starts with: the checkpoint root.
 ROOT_TEMPLATE = "root"
 _PREFIX = "{{" + ROOT_TEMPLATE + "}}/"
+#: The template of references into a folder beside the checkpoint (incremental saves).
+PARENT_TEMPLATE = "parent"
+_PARENT = "{{" + PARENT_TEMPLATE + "}}/"
 #: A rank's data goes on in a new object once the current one holds this many bytes.
 DEFAULT_OBJECT_BYTES = 4 << 30
 
@@ -96,11 +102,15 @@ def build(documents: Mapping[str, bytes], shards: Mapping[str, Location]) -> byt
         ``{shard key: (object key relative to the root, offset, length)}``.
     """
     refs: dict[str, Any] = {k: v.decode() for k, v in documents.items()}
+    templates = {ROOT_TEMPLATE: "."}
     for key in sorted(shards):
         obj, offset, length = shards[key]
-        refs[key] = [_PREFIX + obj, int(offset), int(length)]
-    return json.dumps({"version": 1, "templates": {ROOT_TEMPLATE: "."}, "refs": refs},
-                      separators=(",", ":")).encode()
+        if obj.startswith("../"):
+            templates[PARENT_TEMPLATE] = ".."
+            refs[key] = [_PARENT + obj[3:], int(offset), int(length)]
+        else:
+            refs[key] = [_PREFIX + obj, int(offset), int(length)]
+    return json.dumps({"version": 1, "templates": templates, "refs": refs}, separators=(",", ":")).encode()
 
 
 @dataclass(frozen=True)
@@ -129,13 +139,28 @@ class References:
             raise FormatError(f"tensor {tensor!r}: shard {key!r} has no reference in {self.url}") from None
         except (TypeError, ValueError):
             raise FormatError(f"{self.url}: malformed reference of {key!r}: {self.shards[key]!r}") from None
-        if not isinstance(url, str) or not url.startswith(_PREFIX) or ".." in url.split("/"):
+        obj = _object_key(url)
+        if obj is None:
             raise FormatError(f"{self.url}: reference of {key!r} points outside the checkpoint ({url!r})")
-        return url[len(_PREFIX):], offset, length
+        return obj, offset, length
 
     def objects(self) -> set[str]:
-        """Every data object the references point into (keys under the root)."""
-        return {v[0][len(_PREFIX):] for v in self.shards.values()}
+        """Every data object the references point into (keys under the root; ``../`` for a folder beside it)."""
+        return {obj for v in self.shards.values() if isinstance(v, list) and v
+                for obj in (_object_key(v[0]),) if obj is not None}
+
+
+def _object_key(url: Any) -> str | None:
+    """The key under the checkpoint root of a reference's url (``../<folder>/...`` beside it); None if invalid."""
+    if not isinstance(url, str):
+        return None
+    for prefix, key_prefix in ((_PREFIX, ""), (_PARENT, "../")):
+        if url.startswith(prefix):
+            rest = url[len(prefix):]
+            parts = rest.split("/")
+            if rest and ".." not in parts and "." not in parts and "" not in parts:
+                return key_prefix + rest
+    return None
 
 
 def parse(url: str, raw: bytes) -> References:

@@ -107,6 +107,9 @@ class Storage:
         return sub
 
     def path(self, key: str) -> str:
+        """The filesystem path of ``key``; ``../<name>/...`` is a key of the folder beside this one."""
+        if key.startswith("../"):  # incremental saves reference a sibling checkpoint's objects
+            return f"{self.root.rsplit('/', 1)[0]}/{key[3:]}"
         return f"{self.root}/{key}" if key else self.root
 
     def count(self, **counts: int) -> None:

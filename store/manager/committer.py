@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from reshard.layouts.errors import UncommittedCheckpointError
@@ -32,7 +31,7 @@ from ..format.meta import COMMIT_KEY
 from ..io.storage import Storage
 from ..protocol import commit, describe_missing, generation_of, manifest_key, read_manifest, read_marker
 from .index import Index, StepRecord, read_index, step_dir, step_of, write_index
-from .retention import Retention, delete_steps, plan
+from .retention import Retention, delete_steps, plan, referenced, referenced_steps
 
 #: First and longest pause between two polls of a missing manifest (seconds).
 POLL_MIN = 0.005
@@ -86,9 +85,10 @@ class Committer:
         index = read_index(self.root)
         known = set(index.numbers())
         changed = False
+        needed = referenced(index.steps, known)  # retired steps whose objects kept steps reference
         for name in self.root.list(""):
             step = step_of(name)
-            if step is None or step in known:
+            if step is None or step in needed:
                 continue
             found = read_marker(self.root.child(name))
             if found is not None:  # committed, but the committer died before indexing it
@@ -141,8 +141,7 @@ class Committer:
         self.last_poll = (gets, waits)
         return got
 
-    def commit_step(self, step: int, expected: list[int], metrics: dict[str, float] | None = None,
-                    refs: Callable[[dict[int, dict[str, Any]]], tuple[int, ...]] | None = None) -> StepRecord:
+    def commit_step(self, step: int, expected: list[int], metrics: dict[str, float] | None = None) -> StepRecord:
         """Wait for the ranks of ``step``, commit it, index it, apply retention."""
         try:
             manifests = self.poll(step, expected)
@@ -152,13 +151,13 @@ class Committer:
             self.record_failure(step, f"{type(e).__name__}: {e}")
             raise
         record = StepRecord(step=step, time=marker.time, metrics=dict(metrics or {}),
-                            refs=refs(manifests) if refs else ())
+                            refs=referenced_steps(manifests))
         index = self.index.with_step(record)
         _, doomed = plan(index, self.policy)
         kept = index.without(set(doomed))
         write_index(self.root, kept)
         self._index = kept
-        delete_steps(self.root, doomed, kept)
+        delete_steps(self.root, [r for r in index.steps if r.step in doomed], kept)
         for old in sorted(s for s in self._abandoned if s < step and s not in kept.numbers()):
             self.root.delete(step_dir(old))
             self._abandoned.discard(old)

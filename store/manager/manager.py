@@ -85,6 +85,11 @@ class CheckpointManager:
         and on ``wait(committed=True)`` everywhere).
     poll_max : float
         Longest pause between two polls of a rank's manifest.
+    incremental : bool
+        Write each step in the packed form with the latest committed step as
+        its base: shards whose bytes did not change are referenced, not
+        written again (:mod:`reshard.store.incremental`). Retention keeps the
+        objects a kept step references.
     storage_options : dict, optional
         fsspec options (credentials, endpoint...).
     **options
@@ -102,13 +107,16 @@ class CheckpointManager:
                  keep_every: int | None = None, keep_best: int | None = None, best_metric: str | None = None,
                  best_mode: str = "min", async_save: bool = True, max_pending: int = 1,
                  rank: int | Iterable[int] | None = None, committer: int | None = None,
-                 commit_timeout: float = DEFAULT_COMMIT_TIMEOUT, poll_max: float = 1.0,
+                 commit_timeout: float = DEFAULT_COMMIT_TIMEOUT, poll_max: float = 1.0, incremental: bool = False,
                  storage_options: dict[str, Any] | None = None, **options: Any) -> None:
         self.url = str(url).rstrip("/")
         self.storage_options = dict(storage_options or {})
         self.root = Storage(self.url, self.storage_options)
         self.layouts = layouts
         self.options = options
+        self.incremental = bool(incremental)
+        if self.incremental:
+            self.options = {**options, "form": "packed"}
         self.policy = Retention(max_to_keep, keep_every, keep_best, best_metric, best_mode)
         self.async_save = bool(async_save)
         self.staging = StagingPool(max_pending)
@@ -249,8 +257,15 @@ class CheckpointManager:
                     del self._writers[old]
                 self._writers[step] = CheckpointWriter(
                     f"{self.url}/{step_dir(step)}", self.layouts, save_id=str(step),
-                    storage_options=self.storage_options, **self.options)
+                    storage_options=self.storage_options, base=self._base(step), **self.options)
             return self._writers[step]
+
+    def _base(self, step: int) -> str | None:
+        """Incremental saves: the latest committed step before ``step`` (one GET of the index), if any."""
+        if not self.incremental:
+            return None
+        older = [s for s in read_index(self.root).numbers() if s < step]
+        return f"{self.url}/{step_dir(older[-1])}" if older else None
 
     def _commit(self, step: int, written: Future[None], metrics: dict[str, float]) -> StepRecord:
         try:

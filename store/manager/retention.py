@@ -6,22 +6,27 @@ Rules (all of them together; a step kept by any rule is kept):
 * every step that is a multiple of ``keep_every``;
 * the ``keep_best`` best steps by ``best_metric`` (``best_mode`` ``"min"`` or
   ``"max"``), among the steps that recorded that metric;
-* the latest committed step, always;
-* every step that a kept step references (its ``refs``, transitively): a step
-  may point at bytes of an older one (incremental saves), and those bytes must
-  outlive it.
+* the latest committed step, always.
 
 Deleting a step first drops it from the index (readers stop seeing it), then
-removes its folder.
+removes its folder. A step whose data objects a kept step references (an
+incremental save points at bytes of an older step: the index records which
+steps each one references) is *retired* instead: its commit marker goes first,
+then everything but the objects kept steps reference; once no kept step
+references it, a later deletion removes the rest.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
+from ..format.meta import COMMIT_KEY
+from ..garbage import delete_except, reused_objects
 from ..io.storage import Storage
-from .index import Index, StepRecord, step_dir
+from ..protocol import read_marker
+from .index import Index, StepRecord, step_dir, step_of
 
 
 @dataclass(frozen=True)
@@ -77,29 +82,58 @@ def referenced(records: Iterable[StepRecord], roots: set[int]) -> set[int]:
 
 
 def plan(index: Index, policy: Retention) -> tuple[list[int], list[int]]:
-    """``(kept, doomed)`` steps of ``index`` under ``policy``; references of kept steps are kept."""
-    keep = referenced(index.steps, policy.chosen(index.steps))
+    """``(kept, doomed)`` steps of ``index`` under ``policy``."""
+    keep = policy.chosen(index.steps)
     numbers = index.numbers()
     return [s for s in numbers if s in keep], [s for s in numbers if s not in keep]
 
 
-def delete_steps(root: Storage, steps: Iterable[int], index: Index,
-                 remove: Callable[[Storage, int], None] | None = None) -> list[int]:
-    """Delete step folders that no step still in ``index`` references; return those deleted.
+def delete_steps(root: Storage, doomed: Iterable[StepRecord], index: Index) -> list[int]:
+    """Delete the folders of steps dropped from the index; return the steps touched.
 
-    ``index`` is the index *after* the steps were dropped from it. ``remove``
-    deletes one step (default: its whole folder); a step whose bytes another
-    kept step references is skipped, whatever the caller asked.
+    ``index`` is the index *after* ``doomed`` were dropped from it. Steps that
+    the doomed ones reference but the index no longer lists (retired earlier)
+    are reconsidered too: removed once no kept step needs them, else retired
+    again (keeping only what kept steps still need).
     """
     still = referenced(index.steps, set(index.numbers()))
-    gone = []
-    for step in steps:
+    records = list(doomed)
+    todo = {r.step for r in records} | {ref for r in records for ref in r.refs}
+    todo -= set(index.numbers())
+    for step in sorted(todo):
         if step in still:
-            continue
-        (remove or _remove_folder)(root, step)
-        gone.append(step)
-    return gone
+            retire(root, step, needed_objects(root, index, step))
+        else:
+            root.delete(step_dir(step))
+    return sorted(todo)
 
 
-def _remove_folder(root: Storage, step: int) -> None:
-    root.delete(step_dir(step))
+def referenced_steps(manifests: Mapping[int, Mapping[str, Any]]) -> tuple[int, ...]:
+    """The older steps whose data objects a step's manifests reference (``../step-<N>/...``)."""
+    steps = set()
+    for manifest in manifests.values():
+        for record in (manifest.get("packed") or {}).values():
+            if isinstance(record, list) and record and isinstance(record[0], str) and record[0].startswith("../"):
+                step = step_of(record[0].split("/")[1])
+                if step is not None:
+                    steps.add(step)
+    return tuple(sorted(steps))
+
+
+def needed_objects(root: Storage, index: Index, step: int) -> set[str]:
+    """Keys (under ``step``'s folder) of the objects that kept steps' references point into."""
+    prefix = f"../{step_dir(step)}/"
+    needed: set[str] = set()
+    for record in index.steps:
+        if step in record.refs:
+            folder = root.child(step_dir(record.step))
+            found = read_marker(folder)
+            if found is not None:
+                needed |= {obj[len(prefix):] for obj in reused_objects(folder, found[0]) if obj.startswith(prefix)}
+    return needed
+
+
+def retire(root: Storage, step: int, keep: set[str]) -> None:
+    """Make ``step`` unopenable (its marker goes first) and remove all of it but ``keep``."""
+    root.child(step_dir(step)).delete(COMMIT_KEY)
+    delete_except(root, step_dir(step), {f"{step_dir(step)}/{key}" for key in keep})

@@ -1,0 +1,163 @@
+"""Incremental saves (issue 13 item 3): unchanged shards are referenced, not rewritten; retention and gc keep them."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import fsspec
+import numpy as np
+import pytest
+import reshard.store as rs
+import zarr
+from reshard.layouts import Layout
+from reshard.layouts.errors import CheckpointNotFoundError, FormatError, UncommittedCheckpointError
+
+RANKS = 4
+L = {
+    "base.w": Layout.from_dtensor((RANKS,), ["S(0)"], (64, 512)),   # frozen: 95% of the bytes
+    "lora.a": Layout.from_dtensor((RANKS,), ["S(0)"], (64, 8)),     # trained
+    "lora.b": Layout.from_dtensor((RANKS,), ["R"], (8, 16)),
+}
+
+
+def state(step: int, frozen_seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(frozen_seed)
+    return {"base.w": rng.standard_normal((64, 512)).astype(np.float32),
+            "lora.a": np.full((64, 8), step, np.float32), "lora.b": np.full((8, 16), -step, np.float32)}
+
+
+def local(full: dict[str, np.ndarray], rank: int) -> dict[str, np.ndarray]:
+    return {n: a[L[n].region(rank)] for n, a in full.items()}
+
+
+def save(url: str, full: dict[str, np.ndarray], **options: object) -> None:
+    writer = rs.create(url, L, form="packed", **options)
+    for rank in range(RANKS):
+        writer.write(rank, local(full, rank))
+    writer.commit()
+
+
+def data_bytes(folder: pathlib.Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*.bin"))
+
+
+def check(url: str, full: dict[str, np.ndarray], **options: object) -> None:
+    ckpt = rs.open(url, **options)
+    assert sorted(ckpt.arrays) == sorted(full)
+    for name, want in full.items():
+        np.testing.assert_array_equal(ckpt[name].read(), want)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "reshard.store.cli", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_a_step_beside_its_base_writes_only_what_changed(tmp_path):
+    save(str(tmp_path / "step-1"), state(1))
+    save(str(tmp_path / "step-2"), state(2), base=str(tmp_path / "step-1"))
+    first, second = data_bytes(tmp_path / "step-1"), data_bytes(tmp_path / "step-2")
+    assert second <= 0.10 * first, (first, second)
+    check(str(tmp_path / "step-2"), state(2))
+    refs = json.loads(next((tmp_path / "step-2").glob("gen-*/refs.json")).read_text())
+    assert refs["templates"] == {"root": ".", "parent": ".."}
+    assert all(v[0].startswith("{{parent}}/step-1/") for k, v in refs["refs"].items() if k.startswith("base/w/c/"))
+    # plain zarr + fsspec read it too, given both templates
+    url = str(tmp_path / "step-2")
+    gen = json.loads((tmp_path / "step-2/.reshard/commit.json").read_text())["generation"]
+    store = zarr.storage.FsspecStore.from_url(
+        "reference://", read_only=True,
+        storage_options={"fo": f"{url}/{gen}/refs.json", "template_overrides": {"root": url, "parent": str(tmp_path)},
+                         "remote_options": {"asynchronous": True}})
+    np.testing.assert_array_equal(zarr.open_group(store, mode="r")["base"]["w"][:], state(2)["base.w"])
+    # diff says identical by hash without reading the frozen tensor, and finds what changed
+    out = cli("diff", str(tmp_path / "step-1"), str(tmp_path / "step-2"))
+    assert out.returncode == 1 and "1 identical by their shard hashes" in out.stdout, out.stdout + out.stderr
+    assert "~ lora.a" in out.stdout and "~ lora.b" in out.stdout
+    same = cli("diff", str(tmp_path / "step-2"), str(tmp_path / "step-2"))
+    assert same.returncode == 0 and "3 identical by their shard hashes" in same.stdout
+
+
+def test_an_overwrite_reuses_the_replaced_generation_and_gc_keeps_what_it_references(tmp_path):
+    url = str(tmp_path / "ck")
+    save(url, state(1))
+    save(url, state(2), base=url, overwrite=True, save_id="2")
+    collected = rs.gc(url, min_age=0)
+    assert collected.removed == ("gen-0",) and collected.kept_referenced  # the frozen shards' objects stay
+    assert not (tmp_path / "ck/gen-0/.reshard/ranks").exists()
+    check(url, state(2))
+    assert cli("verify", url).returncode == 0
+    # a third save that changes everything references nothing old: gc then removes all of gen-0
+    save(url, state(3, frozen_seed=1), base=url, overwrite=True, save_id="3")
+    rs.gc(url, min_age=0)
+    assert sorted(p.name for p in (tmp_path / "ck").glob("gen-*")) == ["gen-3"]
+    check(url, state(3, frozen_seed=1))
+
+
+def test_a_manager_keeps_referenced_objects_of_steps_retention_dropped(tmp_path):
+    url = str(tmp_path / "run")
+    with rs.CheckpointManager(url, L, max_to_keep=1, incremental=True, async_save=False) as mgr:
+        for step in (1, 2, 3):
+            for rank in range(RANKS):
+                mgr.save(step, rank, local(state(step), rank))
+            mgr.wait(committed=True, timeout=60)
+        assert mgr.steps() == [3]
+        index = json.loads((tmp_path / "run/manager.json").read_text())
+        assert index["steps"][-1]["refs"] == [1]  # the frozen bytes are step 1's, whatever step 2 did
+    # steps 1 and 2 are gone as checkpoints; step 1's referenced objects stay
+    with pytest.raises(CheckpointNotFoundError):
+        rs.open(str(tmp_path / "run/step-1"))
+    assert not (tmp_path / "run/step-2").exists()
+    assert data_bytes(tmp_path / "run/step-1") > 0
+    check(str(tmp_path / "run/step-3"), state(3))
+    assert cli("verify", str(tmp_path / "run/step-3")).returncode == 0
+    # reopening the root (the committer reconciles) keeps them; a step changing everything frees them
+    with rs.CheckpointManager(url, L, max_to_keep=1, incremental=True, async_save=False) as mgr:
+        assert (tmp_path / "run/step-1").exists()
+        for rank in range(RANKS):
+            mgr.save(4, rank, local(state(4, frozen_seed=1), rank))
+        mgr.wait(committed=True, timeout=60)
+        assert mgr.steps() == [4]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["manager.json", "step-4"]
+    check(str(tmp_path / "run/step-4"), state(4, frozen_seed=1))
+
+
+def test_incremental_on_s3(s3_server, s3_bucket):
+    opts = s3_server.storage_options()
+    root = f"s3://{s3_bucket}/run"
+    save(f"{root}/step-1", state(1), storage_options=opts)
+    save(f"{root}/step-2", state(2), base=f"{root}/step-1", storage_options=opts)
+    fs = fsspec.filesystem("s3", **opts)
+    sizes = [sum(fs.du(f"{s3_bucket}/run/step-{s}/{g}", total=True) for g in ("gen-0",)) for s in (1, 2)]
+    assert sizes[1] < 0.2 * sizes[0], sizes
+    check(f"{root}/step-2", state(2), storage_options=opts)
+
+
+def test_bad_bases_are_refused_with_clear_errors(tmp_path):
+    save(str(tmp_path / "a"), state(1))
+    with pytest.raises(ValueError, match="same folder"):
+        rs.create(str(tmp_path / "x" / "b"), L, base=str(tmp_path / "a"))
+    with pytest.raises(UncommittedCheckpointError, match="no committed checkpoint"):
+        rs.create(str(tmp_path / "b"), L, base=str(tmp_path / "nothing"))
+    writer = rs.create(str(tmp_path / "d"), L, form="directory")
+    for rank in range(RANKS):
+        writer.write(rank, local(state(1), rank))
+    writer.commit()
+    with pytest.raises(FormatError, match="directory form"):
+        rs.create(str(tmp_path / "b"), L, base=str(tmp_path / "d"))
+    with pytest.raises(ValueError, match="packed form"):
+        rs.create(str(tmp_path / "b"), L, base=str(tmp_path / "a"), form="directory")
+
+
+def test_a_commit_refuses_references_to_objects_deleted_meanwhile(tmp_path):
+    save(str(tmp_path / "step-1"), state(1))
+    writer = rs.create(str(tmp_path / "step-2"), L, base=str(tmp_path / "step-1"))
+    for rank in range(RANKS):
+        writer.write(rank, local(state(2), rank))
+    for obj in (tmp_path / "step-1").rglob("*.bin"):
+        obj.unlink()
+    with pytest.raises(CheckpointNotFoundError, match="gone"):
+        writer.commit()
