@@ -162,10 +162,18 @@ def test_missing_rank_is_named_and_uncommitted_opens_from_manifests(tmp_path):
 
 
 def test_references_refuse_paths_outside_the_checkpoint():
-    raw = references.build({"zarr.json": b"{}"}, {"a/c/0": ("../elsewhere/x.bin", 0, 4)})
+    # a folder beside the checkpoint (an incremental save's base) is allowed, nothing further out
+    raw = references.build({"zarr.json": b"{}"}, {"a/c/0": ("../../elsewhere/x.bin", 0, 4),
+                                                  "b/c/0": ("../step-1/gen-1/packed/0-0.bin", 0, 4)})
     parsed = references.parse("refs.json", raw)
     with pytest.raises(rs.FormatError, match="outside"):
         parsed.locate("a/c/0", "a")
+    assert parsed.locate("b/c/0", "b") == ("../step-1/gen-1/packed/0-0.bin", 0, 4)
+    for url in ("/etc/passwd", "{{root}}/../x.bin", "{{parent}}/./x.bin", "s3://other/x.bin"):
+        hostile = references.parse("refs.json", json.dumps({"version": 1, "refs": {
+            "zarr.json": "{}", "a/c/0": [url, 0, 4]}}).encode())
+        with pytest.raises(rs.FormatError, match="outside"):
+            hostile.locate("a/c/0", "a")
     with pytest.raises(rs.FormatError, match="no reference"):
         parsed.locate("a/c/1", "a")
 
