@@ -29,10 +29,11 @@ from reshard.layouts.errors import (
 )
 
 from .format.meta import ArrayMeta, stored_name
+from .format.refs import REFS_KEY
 from .format.schema import check_group, check_root, loads_json
 from .io.storage import Storage
 from .protocol import Marker, generation_storage, merge_manifests, read_manifest, read_marker
-from .reader import Checkpoint, open, read_metadata
+from .reader import Checkpoint, open, parse_metadata, read_references
 from .reader import _file_not_checkpoint as file_not_checkpoint
 
 #: Every kind of damage :func:`verify` reports (docs/cli.md describes each).
@@ -163,12 +164,16 @@ def _committed(root: Storage, marker: Marker, storage_options: dict[str, Any] | 
                report: VerifyReport) -> Checkpoint | None:
     report.committed = True
     gen = generation_storage(root, marker)
-    try:
-        arrays, leaves = read_metadata(gen, marker)
-    except ReshardError as e:
-        report.add("metadata", f"{gen.url}/zarr.json", e)
-        return None
     where = f"{gen.url}/zarr.json"
+    try:
+        read_doc = documents(gen, marker)
+        arrays, leaves = parse_metadata(where, read_doc("zarr.json"), marker)
+    except FileNotFoundError:
+        report.add("metadata", where, "missing: the committed save's metadata is gone")
+        return None
+    except ReshardError as e:
+        report.add("metadata", where, e)
+        return None
     for meta in arrays.values():
         try:
             meta.layout  # noqa: B018 - a deferred record parses and validates its document on first use
@@ -177,8 +182,8 @@ def _committed(root: Storage, marker: Marker, storage_options: dict[str, Any] | 
             report.add("metadata", where, e)
     if report.damage:
         return None
-    docs = check_root(loads_json(where, gen.read("zarr.json")), where)[1]
-    _check_node_files(gen, docs, report)
+    docs = check_root(loads_json(where, read_doc("zarr.json")), where)[1]
+    _check_node_files(gen, read_doc, docs, report)
     _check_manifests(gen, marker, arrays, leaves, report)
     try:
         return open(root.url, storage_options=storage_options)
@@ -187,13 +192,32 @@ def _committed(root: Storage, marker: Marker, storage_options: dict[str, Any] | 
         return None
 
 
-def _check_node_files(gen: Storage, docs: dict[str, Any], report: VerifyReport) -> None:
+def documents(gen: Storage, marker: Marker) -> Callable[[str], bytes]:
+    """Read a save's zarr documents by key: objects in the directory form, the references' inline copies
+    in the packed form (FileNotFoundError for a key that has none)."""
+    if marker.form != "packed":
+        return gen.read
+    read_references(gen, marker)  # the references match their digest in the marker
+    where = f"{gen.url}/{REFS_KEY}"
+    inline = loads_json(where, gen.read(REFS_KEY)).get("refs", {})
+
+    def read(key: str) -> bytes:
+        doc = inline.get(key)
+        if not isinstance(doc, str):
+            raise FileNotFoundError(f"{where}: no document {key!r}")
+        return doc.encode()
+
+    return read
+
+
+def _check_node_files(gen: Storage, read_doc: Callable[[str], bytes], docs: dict[str, Any],
+                      report: VerifyReport) -> None:
     """Every array's and group's own zarr.json against its consolidated copy."""
     for path, want in sorted(docs.items()):
         kind = "array-json" if want["node_type"] == "array" else "group-json"
         where = f"{gen.url}/{path}/zarr.json"
         try:
-            doc = loads_json(where, gen.read(f"{path}/zarr.json"))
+            doc = loads_json(where, read_doc(f"{path}/zarr.json"))
             if kind == "group-json":
                 check_group(doc, where)
             else:
