@@ -131,8 +131,14 @@ class Marker:
         return marker
 
     def to_json(self) -> bytes:
-        """The marker's bytes, with the sha256 of its own canonical JSON (any edit is detected)."""
-        return with_digest(asdict(self))
+        """The marker's bytes, with the sha256 of its own canonical JSON (any edit is detected).
+
+        ``references_sha256`` is left out of directory-form markers (it has nothing to name).
+        """
+        doc = asdict(self)
+        if doc["references_sha256"] is None:
+            del doc["references_sha256"]
+        return with_digest(doc)
 
 
 def read_marker(root: Storage) -> tuple[Marker, bytes] | None:
