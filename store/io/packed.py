@@ -80,7 +80,8 @@ def write_objects(storage: Storage, objects: list[tuple[str, list[Any]]], tail: 
     """
     *first, (name, buffers) = objects
     pool.run_all([functools.partial(storage.write, n, b) for n, b in first], storage.local)
-    storage.write(name, [*buffers, tail] if tail else buffers)
+    # atomic: a committer polling for the manifest at its end never reads a part-written object
+    storage.write_atomic(name, [*buffers, tail] if tail else buffers)
 
 
 def write_pack(storage: Storage, prefix: str, writer: str, blobs: Sequence[tuple[str, Sequence[Any]]],

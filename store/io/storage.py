@@ -235,8 +235,8 @@ class Storage:
             self._call(key, lambda: self.fs.pipe_file(self.path(key), bytes(blob)))
         self.count(writes=1, bytes_written=nbytes)
 
-    def write_atomic(self, key: str, data: bytes) -> None:
-        """Write (or replace) one small object so that readers see the old or the new bytes, never a mix.
+    def write_atomic(self, key: str, data: bytes | Sequence[Any]) -> None:
+        """Write (or replace) one object so that readers see the old or the new bytes, never a mix or a part.
 
         An object store's PUT is atomic already; a local file is written beside and renamed over.
         """

@@ -323,8 +323,8 @@ class CheckpointManager:
             step = max(self._last.values(), default=None)
         _wait_all(pending, deadline)
         if committed and step is not None:
-            if step in commits:
-                _wait_all([commits[step]], deadline)
+            if step in commits:  # every commit this process runs: steps may finish writing out of order
+                _wait_all(list(commits.values()), deadline)
             else:
                 self._wait_index(step, deadline)
         self.raise_errors()
