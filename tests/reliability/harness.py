@@ -80,7 +80,7 @@ BACKENDS = ("file", "memory", "s3")
 # --------------------------------------------------------------- forms
 #: Storage forms: name -> options for ``rs.save`` / ``rs.create``. Add one here (e.g. a
 #: packed form) and every reliability test runs on it too.
-FORMS: dict[str, dict[str, Any]] = {"directory": {}}
+FORMS: dict[str, dict[str, Any]] = {"directory": {"form": "directory"}, "packed": {"form": "packed"}}
 
 #: File kinds by key pattern (relative to the checkpoint root), first match wins. A new
 #: form adds the kinds of files it writes.
@@ -91,6 +91,8 @@ KIND_RULES: list[tuple[str, str]] = [
     ("root-json", r"^gen-[^/]+/zarr\.json$"),
     ("node-json", r"^gen-[^/]+/.+/zarr\.json$"),
     ("shard", r"^gen-[^/]+/.+/c(/\d+)*$"),
+    ("references", r"^gen-[^/]+/refs\.json$"),  # packed form: every document inline + shard locations
+    ("data-object", r"^gen-[^/]+/packed/[^/]+\.bin$"),  # packed form: a rank's shards, then its manifest
 ]
 #: Kinds nobody reads once committed (damage there is harmless by design).
 UNREAD_KINDS = {"lock"}

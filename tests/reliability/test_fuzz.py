@@ -116,6 +116,9 @@ CASES = [("marker", "raw"), ("marker", "consistent"), ("root-json", "raw"), ("ro
 def test_fuzzed_metadata_is_refused_or_reads_exactly(backend: Backend, form: str, doc: str, mode: str) -> None:
     if backend.name == "s3" and not trials(ci=0, soak=1):
         pytest.skip("fuzzing parses documents the same on every backend; S3 (slow on moto) only with RESHARD_SOAK=1")
+    if form == "packed":
+        pytest.skip("the packed form keeps its zarr documents inline in refs.json (digest in the marker, covered by "
+                    "test_corrupt); fuzzing them inside the references is not written yet")
     rng = rng_for("fuzz", backend.name, form, doc, mode)
     tally = Tally(f"fuzz[{backend.name}-{form}-{doc}-{mode}]")
     state = make_state(rng)
