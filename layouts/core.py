@@ -142,7 +142,7 @@ class Layout:
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle the fields only (the cached tables are rebuilt on demand)."""
-        return {k: v for k, v in self.__dict__.items() if k != "_info"}
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -210,10 +210,30 @@ class Layout:
         """Sorted distinct block starts and stops along `dim` (always 0 and the size)."""
         if not 0 <= dim < self.ndim:
             raise LayoutError(f"dim {dim} out of range for shape {list(self.shape)}")
-        out = {0, self.shape[dim]}
+        return self._boundaries[dim]
+
+    @cached_property
+    def _boundaries(self) -> tuple[tuple[int, ...], ...]:
+        out = [{0, size} for size in self.shape]
+        pieces = self._pieces
+        if pieces is not None:  # O(pieces per dim), not O(blocks): a 1024-rank layout is as quick as a 2-rank one
+            if all(pieces):
+                for found, dim in zip(out, pieces, strict=True):
+                    found.update(x for piece in dim for x in piece)
+            return tuple(tuple(sorted(found)) for found in out)
         for b in self.blocks():
-            out.update((b.region[dim].start, b.region[dim].stop))
-        return tuple(sorted(out))
+            for found, s in zip(out, b.region, strict=True):
+                found.update((s.start, s.stop))
+        return tuple(tuple(sorted(found)) for found in out)
+
+    @cached_property
+    def _pieces(self) -> list[list[tuple[int, int]]] | None:
+        """Mesh layouts without optimizer sharding: each dim's distinct non-empty pieces (their blocks are
+        every combination of them); None for the others."""
+        info = self._info
+        if not isinstance(info, _table.GridInfo) or info.opt:
+            return None
+        return [sorted({iv for iv in dim if iv[0] < iv[1]}) for dim in info.intervals]
 
     def is_regular(self) -> bool:
         """True iff the blocks are the cells of a regular grid (edge cells may be smaller).
@@ -221,6 +241,15 @@ class Layout:
         The cell shape is the first block's shape; this is the layout zarr can
         store with one shard per block.
         """
+        return self._regular
+
+    @cached_property
+    def _regular(self) -> bool:
+        pieces = self._pieces
+        if pieces is not None:  # the pieces of each dim tile it; regular iff they are a regular cut
+            return not all(pieces) or all(
+                self._boundaries[d] == (*range(0, size, dim[0][1]), size)
+                for d, (size, dim) in enumerate(zip(self.shape, pieces, strict=True)))
         blocks = self.blocks()
         if not blocks:
             return True
@@ -317,7 +346,11 @@ class Layout:
     # -------------------------------------------------------------------- JSON
 
     def to_json(self) -> dict[str, Any]:
-        """Stable JSON-able form (``"version": 1``); see :meth:`from_json`."""
+        """Stable JSON-able form (``"version": 1``); see :meth:`from_json`. Do not modify the result (it is cached)."""
+        return self._json
+
+    @cached_property
+    def _json(self) -> dict[str, Any]:
         from .jsonform import to_json
 
         return to_json(self)

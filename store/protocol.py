@@ -21,6 +21,7 @@ import json
 import math
 import os
 import socket
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -48,9 +49,9 @@ from .format.meta import (
     escape_component,
     group_json,
 )
-from .format.refs import FORMS, PACKED_DIR, REFS_KEY, TRAILER_BYTES, rank_object, trailer_length
+from .format.refs import FORMS, PACKED_DIR, REFS_KEY, rank_object, trailer_lengths
 from .format.refs import build as build_references
-from .format.schema import check_component, check_manifest, check_names, loads_json, marker_fields, with_digest
+from .format.schema import check_component, check_manifest, check_names, check_tensors, loads_json, marker_fields, with_digest
 from .io import pool
 from .io.storage import Storage
 
@@ -406,12 +407,14 @@ def read_manifests(storage: Storage, save_id: str | None = None,
     return manifests
 
 
-def read_manifest(storage: Storage, rank: int, form: str | None = None) -> dict[str, Any]:
+def read_manifest(storage: Storage, rank: int, form: str | None = None, *, tensors: bool = True) -> dict[str, Any]:
     """One rank's manifest, checked (:func:`reshard.store.format.schema.check_manifest`).
 
     Directory form: ``.reshard/ranks/<rank>.json``. Packed form: the end of the
     rank's data object ``packed/<rank>.bin`` (one ranged GET; two for a manifest
     over 256 KiB). ``form=None`` tries the JSON object first, then the data object.
+    ``tensors=False``: a packed manifest without its tensor records (a reader
+    that wants shard locations only; see :func:`reshard.store.format.refs.trailer`).
 
     Raises
     ------
@@ -419,31 +422,59 @@ def read_manifest(storage: Storage, rank: int, form: str | None = None) -> dict[
         The rank has not written (in the given form).
     """
     if form == "packed":
-        where = f"{storage.url}/{rank_object(rank)}"
-        raw = read_trailer(storage, rank_object(rank))
-    else:
-        where = f"{storage.url}/{manifest_key(rank)}"
-        try:
-            raw = storage.read(manifest_key(rank))
-        except FileNotFoundError:
-            if form == "directory":
-                raise
-            return read_manifest(storage, rank, "packed")
-    doc = check_manifest(loads_json(where, raw), where)
+        return _read_packed_manifest(storage, rank, tensors)
+    where = f"{storage.url}/{manifest_key(rank)}"
+    try:
+        raw = storage.read(manifest_key(rank))
+    except FileNotFoundError:
+        if form == "directory":
+            raise
+        return _read_packed_manifest(storage, rank, tensors)
+    return _own(check_manifest(loads_json(where, raw), where), rank, where)
+
+
+def _own(doc: dict[str, Any], rank: int, where: str) -> dict[str, Any]:
     if doc["rank"] != rank:
         raise FormatError(f"{where}: the manifest says it is rank {doc['rank']}'s")
     return doc
 
 
-def read_trailer(storage: Storage, key: str, guess: int = 256 << 10) -> bytes:
-    """The manifest a rank's data object carries at its end (:func:`reshard.store.format.refs.trailer`)."""
+#: Tensor records already read and checked, by sha256 (the ranks of a save share one; a few saves' worth).
+_RECORDS: dict[str, dict[str, Any]] = {}
+_RECORDS_KEPT = 8
+_RECORDS_LOCK = threading.Lock()
+
+
+def _read_packed_manifest(storage: Storage, rank: int, tensors: bool, guess: int = 256 << 10) -> dict[str, Any]:
+    """A manifest from the trailer of ``packed/<rank>.bin``: one ranged GET for most (more for big ones)."""
+    key = rank_object(rank)
+    where = f"{storage.url}/{key}"
     tail = storage.read_tail(key, guess)
-    n = trailer_length(f"{storage.url}/{key}", tail) + TRAILER_BYTES
-    if n > len(tail):
-        tail = storage.read_tail(key, n)
-        if len(tail) < n:
-            raise FormatError(f"{storage.url}/{key}: the manifest at its end is longer than the object")
-    return tail[len(tail) - n : len(tail) - TRAILER_BYTES]
+    footer, n_records, n_manifest = trailer_lengths(where, tail)
+    need = footer + n_manifest
+    if need > len(tail):
+        tail = storage.read_tail(key, need + n_records if tensors else need)
+        if len(tail) < need:
+            raise FormatError(f"{where}: the manifest at its end is longer than the object")
+    doc = _own(check_manifest(loads_json(where, tail[len(tail) - need : len(tail) - footer]), where), rank, where)
+    sha = doc.get("tensors_sha256")
+    if not tensors or sha is None:
+        return doc
+    records = _RECORDS.get(sha)
+    if records is None:
+        need += n_records
+        if need > len(tail):
+            tail = storage.read_tail(key, need)
+        raw = tail[len(tail) - need : len(tail) - need + n_records]
+        if len(tail) < need or hashlib.sha256(raw).hexdigest() != sha:
+            raise FormatError(f"{where}: the tensor records do not match the sha256 the manifest names: the data "
+                              "object was truncated, edited or corrupted")
+        records = check_tensors(loads_json(where, raw), where)
+        with _RECORDS_LOCK:
+            while len(_RECORDS) >= _RECORDS_KEPT:
+                del _RECORDS[next(iter(_RECORDS))]
+            _RECORDS[sha] = records
+    return {**doc, "tensors": records}
 
 
 def describe_missing(url: str, missing: list[int], manifests: dict[int, dict[str, Any]]) -> str:
@@ -474,8 +505,13 @@ def merge_manifests(url: str, manifests: dict[int, dict[str, Any]], *,
     leaves: dict[str, Any] = {}
     for rank in sorted(manifests, reverse=True):  # the lowest rank's leaves win
         leaves.update(manifests[rank]["leaves"])
+    merged: list[dict[str, Any]] = []  # records documents done (ranks that agree share one: see read_manifest)
     for rank in sorted(manifests):
-        for name, t in manifests[rank]["tensors"].items():
+        records = manifests[rank]["tensors"]
+        if any(records is done for done in merged):
+            continue
+        merged.append(records)
+        for name, t in records.items():
             if name in seen:
                 other, t0 = seen[name]
                 if t0["dtype"] != t["dtype"]:

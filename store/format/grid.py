@@ -236,9 +236,8 @@ def choose_grid(layout: Layout, grid: str = "exact", single_writer: bool = False
     if not shape:
         return Grid((), ())
     if layout.is_regular() if regular is None else regular:
-        blocks = layout.blocks()
-        if blocks:
-            return Grid(shape, tuple(max(1, s.stop - s.start) for s in blocks[0].region))
+        if all(shape):  # the first block's shape: it starts at 0 and ends at each dim's first boundary after 0
+            return Grid(shape, tuple(layout.boundaries(d)[1] for d in range(len(shape))))
         return Grid(shape, tuple(max(1, n) for n in shape))
     bounds = [layout.boundaries(d) for d in range(len(shape))]
     if single_writer:

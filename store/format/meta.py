@@ -34,6 +34,7 @@ LOCK_KEY = f"{META_DIR}/commit.lock"
 MISSING = np.uint64(2**64 - 1)
 
 _SAFE = re.compile(r"[A-Za-z0-9_-]")
+_ALL_SAFE = re.compile(r"[A-Za-z0-9_-]+")
 
 
 # --------------------------------------------------------------------- names
@@ -46,6 +47,8 @@ def escape_component(part: str, name: str) -> str:
     """
     if not part:
         raise BadNameError(f"tensor name {name!r} has an empty component")
+    if _ALL_SAFE.fullmatch(part) and not part.startswith("__"):
+        return part
     out = "".join(
         c if _SAFE.fullmatch(c) else "".join(f"~{b:02X}" for b in c.encode()) for c in part
     )
@@ -60,6 +63,7 @@ def unescape_component(part: str) -> str:
     return raw.decode("utf-8")
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def tensor_path(name: str) -> str:
     """Return the zarr path (``a/b/c``) of a dotted tensor name (``a.b.c``)."""
     if not isinstance(name, str) or not name:

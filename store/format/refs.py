@@ -59,9 +59,11 @@ def check_form(form: str) -> str:
 
 
 #: The last 8 bytes of a rank's data object that carries its manifest.
-TRAILER_MAGIC = b"RSHDMAN1"
-#: Bytes of the trailer after the manifest: its length (uint64, little endian) and the magic.
-TRAILER_BYTES = 16
+TRAILER_MAGIC = b"RSHDMAN2"
+#: The same, of trailers written before the tensor records were a document of their own.
+TRAILER_MAGIC_V1 = b"RSHDMAN1"
+#: Bytes of the trailer after the manifest: the two lengths (uint64, little endian) and the magic.
+TRAILER_BYTES = 24
 
 
 def rank_object(rank: int) -> str:
@@ -74,20 +76,29 @@ def rank_object(rank: int) -> str:
     return f"{PACKED_DIR}/{rank}.bin"
 
 
-def trailer(manifest: bytes) -> bytes:
-    """The bytes a rank appends to its last data object: its manifest, then its length and the magic.
+def trailer(manifest: bytes, tensors: bytes) -> bytes:
+    """The bytes a rank appends to its last data object: its tensor records and manifest, their lengths, the magic.
 
     The manifest travels inside the data object, so a rank's save is one object
-    (one PUT): the object count stays ranks + a few.
+    (one PUT): the object count stays ranks + a few. The tensor records (dtype,
+    grid, layout of every tensor the rank holds: the bulk, and the same bytes on
+    every rank that agrees) are a document of their own, named in the manifest
+    by their sha256: a committer parses them once per distinct document, and a
+    reader that only needs where the shards are never reads them.
     """
-    return manifest + len(manifest).to_bytes(8, "little") + TRAILER_MAGIC
+    return tensors + manifest + len(tensors).to_bytes(8, "little") + len(manifest).to_bytes(8, "little") + TRAILER_MAGIC
 
 
-def trailer_length(where: str, tail: bytes) -> int:
-    """The manifest length a data object's last :data:`TRAILER_BYTES` bytes record (FormatError if none)."""
-    if len(tail) < TRAILER_BYTES or tail[-8:] != TRAILER_MAGIC:
-        raise FormatError(f"{where}: the data object does not end with a manifest (truncated or not reshard's)")
-    return int.from_bytes(tail[-16:-8], "little")
+def trailer_lengths(where: str, tail: bytes) -> tuple[int, int, int]:
+    """(trailer footer bytes, tensor records length, manifest length) from a data object's last bytes.
+
+    A FormatError if it does not end with a trailer.
+    """
+    if len(tail) >= TRAILER_BYTES and tail[-8:] == TRAILER_MAGIC:
+        return TRAILER_BYTES, int.from_bytes(tail[-24:-16], "little"), int.from_bytes(tail[-16:-8], "little")
+    if len(tail) >= 16 and tail[-8:] == TRAILER_MAGIC_V1:
+        return 16, 0, int.from_bytes(tail[-16:-8], "little")
+    raise FormatError(f"{where}: the data object does not end with a manifest (truncated or not reshard's)")
 
 
 def build(documents: Mapping[str, bytes], shards: Mapping[str, Location]) -> bytes:

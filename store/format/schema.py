@@ -210,8 +210,10 @@ _MANIFEST_TENSOR = {"dtype", "chunk", "shard", "checksums", "compressor", "layou
 def check_manifest(doc: Any, where: str) -> dict[str, Any]:
     """A rank's manifest, typed: ``rank``, ``save_id``, ``expected_ranks``, ``tensors``, ``leaves``.
 
-    Each tensor entry's layout is parsed and its chunk and shard are checked
-    against it (same number of dims; the chunk divides the shard).
+    ``tensors`` is inline (checked with :func:`check_tensors`), or, in a packed
+    data object's trailer, a separate document named by ``tensors_sha256`` that
+    the caller reads, checks and attaches (ranks that agree write identical
+    bytes: it is parsed and checked once per distinct document, not per rank).
     """
     if not isinstance(doc, dict):
         raise FormatError(f"{where}: a manifest must be a JSON object, got {type(doc).__name__}")
@@ -223,11 +225,23 @@ def check_manifest(doc: Any, where: str) -> dict[str, Any]:
     save_id = doc.get("save_id")
     if save_id is not None and not isinstance(save_id, str):
         raise _fail(where, "save_id", "a string", save_id)
-    tensors, leaves = get(doc, "tensors", where), get(doc, "leaves", where)
-    if not isinstance(tensors, dict):
-        raise _fail(where, "tensors", "an object", tensors)
+    leaves = get(doc, "leaves", where)
     if not isinstance(leaves, dict):
         raise _fail(where, "leaves", "an object", leaves)
+    if "tensors_sha256" in doc and "tensors" not in doc:
+        sha = doc["tensors_sha256"]
+        if not isinstance(sha, str) or not _HEX64.fullmatch(sha):
+            raise _fail(where, "tensors_sha256", "a sha256 hex digest", sha)
+        return doc
+    check_tensors(get(doc, "tensors", where), where)
+    return doc
+
+
+def check_tensors(tensors: Any, where: str) -> dict[str, Any]:
+    """A manifest's ``tensors`` object, typed: each entry's layout parsed, its chunk and shard checked
+    against it (same number of dims; the chunk divides the shard)."""
+    if not isinstance(tensors, dict):
+        raise _fail(where, "tensors", "an object", tensors)
     for name, t in tensors.items():
         at = f"{where}: tensor {name!r}"
         if not isinstance(t, dict) or not {"dtype", "chunk", "checksums", "compressor", "layout"} <= set(t):
@@ -244,7 +258,7 @@ def check_manifest(doc: Any, where: str) -> dict[str, Any]:
             raise _fail(at, "checksums", "true or false", t["checksums"])
         if t["compressor"] not in (None, "zstd"):
             raise _fail(at, "compressor", "null or 'zstd'", t["compressor"])
-    return doc
+    return tensors
 
 
 # -------------------------------------------------------------------- root

@@ -182,3 +182,21 @@ def test_regular_means_grid(lay):
     for d in range(lay.ndim):
         cuts = lay.boundaries(d)
         assert cuts[0] == 0 and cuts[-1] == lay.shape[d] and list(cuts) == sorted(set(cuts))
+
+
+@SETTINGS
+@given(layouts())
+def test_boundaries_and_regularity_match_the_blocks(lay):
+    """The per-dim shortcut for mesh layouts agrees with the definition over every block."""
+    blocks = lay.blocks()
+    for d in range(lay.ndim):
+        want = {0, lay.shape[d]} | {x for b in blocks for x in (b.region[d].start, b.region[d].stop)}
+        assert lay.boundaries(d) == tuple(sorted(want))
+    if blocks:
+        cell = blocks[0].shape
+        grid = [(*range(0, n, c), n) for n, c in zip(lay.shape, cell, strict=True)]
+        count = math.prod(len(g) - 1 for g in grid)
+        regular = all(lay.boundaries(d) == g for d, g in enumerate(grid)) and len(blocks) == count
+    else:
+        regular = True
+    assert lay.is_regular() == regular
