@@ -7,6 +7,7 @@ once per distinct layout by :mod:`._table` and cached.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -234,6 +235,39 @@ class Layout:
         if not isinstance(info, _table.GridInfo) or info.opt:
             return None
         return [sorted({iv for iv in dim if iv[0] < iv[1]}) for dim in info.intervals]
+
+    def owner(self, point: Sequence[int]) -> int:
+        """The rank that writes the block holding the element at `point` (its replica 0).
+
+        Raises
+        ------
+        LayoutError
+            If `point` lies outside the tensor.
+        """
+        point = tuple(point)
+        if len(point) != self.ndim or not all(0 <= x < n for x, n in zip(point, self.shape, strict=True)):
+            raise LayoutError(f"point {list(point)} lies outside shape {list(self.shape)}")
+        starts = self._piece_starts
+        if starts is not None:  # mesh layouts: the piece of each dim, then the cell's first holder
+            cell = tuple(index[bisect.bisect_right(lo, x) - 1] for (lo, index), x in zip(starts, point, strict=True))
+            return self._info.info.holders[cell][0]  # type: ignore[union-attr]
+        for b in self.blocks():
+            if all(s.start <= x < s.stop for s, x in zip(b.region, point, strict=True)):
+                return next(r for r in b.ranks if self.replica_id(r) == 0)
+        raise LayoutError(f"no block of {self.describe()} holds point {list(point)}")  # pragma: no cover
+
+    @cached_property
+    def _piece_starts(self) -> list[tuple[list[int], list[int]]] | None:
+        """Mesh layouts without optimizer sharding: per dim, the sorted starts of its non-empty pieces and each
+        piece's index (its coordinate in a block's cell)."""
+        info = self._info
+        if not isinstance(info, _table.GridInfo) or info.opt:
+            return None
+        out = []
+        for dim in info.intervals:
+            found = sorted((lo, i) for i, (lo, hi) in enumerate(dim) if lo < hi)
+            out.append(([lo for lo, _ in found], [i for _, i in found]))
+        return out
 
     def is_regular(self) -> bool:
         """True iff the blocks are the cells of a regular grid (edge cells may be smaller).

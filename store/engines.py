@@ -88,8 +88,8 @@ def zarr_array(storage: Storage, meta: ArrayMeta, fetcher: Fetcher | None = None
     """
     import zarr
 
-    if fetcher is not None and fetcher.refs is not None:
-        store: Any = references_store(fetcher.root, fetcher.refs.url)
+    if fetcher is not None and fetcher.locator is not None:
+        store: Any = references_store(fetcher.root, fetcher.locator.references_url)
     elif storage.local:
         store = zarr.storage.LocalStore(storage.root, read_only=True)
     else:
@@ -128,7 +128,7 @@ def zarr_config(meta: ArrayMeta, url: str = "") -> Iterator[None]:
 def read_with_engine(ckpt: Fetcher, meta: ArrayMeta, region: Region) -> np.ndarray:
     """Read a region of a tensor with ``ckpt.engine`` (``"tensorstore"`` or ``"zarr"``)."""
     if ckpt.engine == "tensorstore":
-        if ckpt.refs is not None:
+        if ckpt.locator is not None:
             raise FormatError(f"{ckpt.url}: TensorStore reads the directory form only (its zarr3 driver cannot "
                               "follow byte-range references); convert with `reshard convert SRC DST --form "
                               "directory`, or use engine='fast' or 'zarr'")

@@ -17,12 +17,13 @@ per source object touched.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import numpy as np
 from reshard.layouts.errors import FormatError, StorageError
 
 from .format.meta import ArrayMeta
-from .format.refs import Location, References
+from .format.refs import Location
 from .format.shard import (
     SMALL_SHARD_BYTES,
     ChunkRead,
@@ -36,6 +37,9 @@ from .format.shard import (
 )
 from .io import packed, pool
 from .io.storage import IOStats, Storage
+
+if TYPE_CHECKING:
+    from .locate import Locator
 
 Region = tuple[slice, ...]
 
@@ -69,17 +73,18 @@ class Fetcher:
         (default: :func:`default_gap`).
     indexes : dict, optional
         A shard-index cache to share (dask tasks of one checkpoint share one).
-    refs : References, optional
-        A packed save's references; ``root`` is then the checkpoint root they are relative to.
+    locator : Locator, optional
+        A packed save's shard locations (:mod:`reshard.store.locate`); ``root`` is
+        then the checkpoint root they are relative to. None: the directory form.
     """
 
     def __init__(self, storage: Storage, engine: str = "fast", gap: int | None = None,
-                 indexes: dict[str, np.ndarray] | None = None, refs: References | None = None,
+                 indexes: dict[str, np.ndarray] | None = None, locator: Locator | None = None,
                  root: Storage | None = None) -> None:
         self.storage = storage
         self.engine = engine
         self.gap = default_gap(storage) if gap is None else int(gap)
-        self.refs = refs
+        self.locator = locator
         #: The checkpoint root (packed references are relative to it).
         self.root = root if root is not None else storage
         #: Shards up to this size are fetched whole, in one request with their index.
@@ -104,7 +109,7 @@ class Fetcher:
                 dest[...] = read_with_engine(self, meta, region)
             self.storage.count(bytes_delivered=delivered)
             return IOStats(bytes_delivered=delivered)
-        if self.refs is not None:
+        if self.locator is not None:
             return self._read_packed(jobs, delivered)
         keys = [[(shard, meta.shard_key(shard)) for shard in meta.shards_in(region)] for meta, region, _ in jobs]
         blobs, index_bytes = self._fetch_indexes(jobs, keys)
@@ -175,10 +180,12 @@ class Fetcher:
         one's index at the end of its range), merged per object into requests;
         then the chunk reads not served from those bytes, merged again.
         """
-        assert self.refs is not None
-        refs, root = self.refs, self.root
-        shards = [[(s, k, refs.locate(k, meta.name)) for s in meta.shards_in(region) for k in (meta.shard_key(s),)]
-                  for meta, region, _ in jobs]
+        assert self.locator is not None
+        root = self.root
+        wanted_shards = [[(meta, s, meta.shard_key(s)) for s in meta.shards_in(region)] for meta, region, _ in jobs]
+        locations, located_by = self.locator.locate_all([s for job in wanted_shards for s in job])
+        found = iter(locations)
+        shards = [[(s, k, next(found)) for _, s, k in job] for job in wanted_shards]
         ranges: list[tuple[str, int, int]] = []
         wanted: dict[str, tuple[ArrayMeta, tuple[int, ...], Location]] = {}
         for (meta, _, _), located in zip(jobs, shards, strict=True):
@@ -189,7 +196,7 @@ class Fetcher:
                     wanted[key] = (meta, shard, (obj, off, n))
                     whole = n <= self.small_shard_bytes  # data and index in one range
                     ranges.append((obj, off if whole else off + n - meta.index_nbytes(shard), off + n))
-        spans, sizes = packed.read_ranges(root, ranges, self.gap)
+        spans, sizes = packed.read_ranges(root, ranges, self.gap, packed.Spans(self.locator.spans))
         for key, (meta, shard, (obj, off, n)) in wanted.items():
             tail = spans.get(obj, off + n - meta.index_nbytes(shard), off + n)
             assert tail is not None
@@ -218,5 +225,6 @@ class Fetcher:
                                    [w[0].nbytes for w in work], root.local)
         self.storage.count(bytes_delivered=delivered, tasks=len(work))
         far_requests = sum(1 for w in work if w[2] is None)
-        return IOStats(requests=len(sizes) + far_requests, bytes_fetched=sum(sizes) + sum(fetched),
+        return IOStats(requests=located_by.requests + len(sizes) + far_requests,
+                       bytes_fetched=located_by.bytes_fetched + sum(sizes) + sum(fetched),
                        bytes_delivered=delivered, tasks=len(work))

@@ -85,7 +85,7 @@ def reused_objects(root: Storage, marker: Marker) -> set[str]:
     """Data objects outside its own generation that the committed save references (incremental saves)."""
     if marker.form != "packed":
         return set()
-    from .reader import read_references
+    from .locate import read_references
 
     refs = read_references(generation_storage(root, marker), marker)
     return {obj for obj in refs.objects() if not obj.startswith(f"{marker.generation}/")}

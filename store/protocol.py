@@ -51,7 +51,15 @@ from .format.meta import (
 )
 from .format.refs import FORMS, PACKED_DIR, REFS_KEY, rank_object, trailer_lengths
 from .format.refs import build as build_references
-from .format.schema import check_component, check_manifest, check_names, check_tensors, loads_json, marker_fields, with_digest
+from .format.schema import (
+    check_component,
+    check_manifest,
+    check_names,
+    check_tensors,
+    loads_json,
+    marker_fields,
+    with_digest,
+)
 from .io import pool
 from .io.storage import Storage
 
@@ -107,6 +115,10 @@ class Marker:
     form: str = "directory"
     #: Packed form: the sha256 of the generation's references file.
     references_sha256: str | None = None
+    #: Packed form: where readers find shard locations: ``"ranks"`` (each in the manifest of the rank that wrote
+    #: it) or ``"references"`` (the references file); the root ``zarr.json`` is then an object of its own.
+    #: None: the directory form, or a packed save whose root document lives inside its references only.
+    locations: str | None = None
 
     @classmethod
     def parse(cls, url: str, raw: bytes) -> Marker:
@@ -136,9 +148,7 @@ class Marker:
 
         ``references_sha256`` is left out of directory-form markers (it has nothing to name).
         """
-        doc = asdict(self)
-        if doc["references_sha256"] is None:
-            del doc["references_sha256"]
+        doc = {k: v for k, v in asdict(self).items() if v is not None or k not in ("references_sha256", "locations")}
         return with_digest(doc)
 
 
@@ -289,17 +299,21 @@ def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None =
         located = merge_packed(gen.url, manifests, metas)
         if located is not None:
             check_reused(root, generation, located)
-        refs_digest = None
+        refs_digest = locations = None
         if located is None:
             raw = write_metadata(gen, metas, leaves)
         else:
             docs, raw = metadata_documents(metas, leaves)
             refs = build_references({"zarr.json": raw, **docs}, located)
             gen.write(REFS_KEY, refs)
+            gen.write("zarr.json", raw)  # what open reads: O(tensors) bytes, not the O(tensors x ranks) references
             refs_digest = metadata_digest(refs)
+            # ranks' own writes (trailers) record their shards in their manifests; block writers' may not
+            locations = "ranks" if all("tensors_sha256" in m for m in manifests.values()) else "references"
         marker = Marker(format_version=FORMAT_VERSION, generation=generation, save_id=sid, time=time.time(),
                         tensors=len(metas), ranks=sorted(manifests), metadata_sha256=metadata_digest(raw),
-                        form="directory" if located is None else "packed", references_sha256=refs_digest)
+                        form="directory" if located is None else "packed", references_sha256=refs_digest,
+                        locations=locations)
         root.write_atomic(COMMIT_KEY, marker.to_json())
     except BaseException:
         with contextlib.suppress(Exception):
@@ -407,7 +421,8 @@ def read_manifests(storage: Storage, save_id: str | None = None,
     return manifests
 
 
-def read_manifest(storage: Storage, rank: int, form: str | None = None, *, tensors: bool = True) -> dict[str, Any]:
+def read_manifest(storage: Storage, rank: int, form: str | None = None, *, tensors: bool = True,
+                  tail: bytes | None = None, fresh: bool = False) -> dict[str, Any]:
     """One rank's manifest, checked (:func:`reshard.store.format.schema.check_manifest`).
 
     Directory form: ``.reshard/ranks/<rank>.json``. Packed form: the end of the
@@ -415,6 +430,8 @@ def read_manifest(storage: Storage, rank: int, form: str | None = None, *, tenso
     over 256 KiB). ``form=None`` tries the JSON object first, then the data object.
     ``tensors=False``: a packed manifest without its tensor records (a reader
     that wants shard locations only; see :func:`reshard.store.format.refs.trailer`).
+    ``tail``: the data object's last bytes, already read (:data:`TAIL_GUESS` of them, or all of a smaller one).
+    ``fresh``: read and check the tensor records even when an identical document was read before (``verify``).
 
     Raises
     ------
@@ -422,14 +439,14 @@ def read_manifest(storage: Storage, rank: int, form: str | None = None, *, tenso
         The rank has not written (in the given form).
     """
     if form == "packed":
-        return _read_packed_manifest(storage, rank, tensors)
+        return _read_packed_manifest(storage, rank, tensors, tail, fresh)
     where = f"{storage.url}/{manifest_key(rank)}"
     try:
         raw = storage.read(manifest_key(rank))
     except FileNotFoundError:
         if form == "directory":
             raise
-        return _read_packed_manifest(storage, rank, tensors)
+        return _read_packed_manifest(storage, rank, tensors, tail, fresh)
     return _own(check_manifest(loads_json(where, raw), where), rank, where)
 
 
@@ -445,11 +462,17 @@ _RECORDS_KEPT = 8
 _RECORDS_LOCK = threading.Lock()
 
 
-def _read_packed_manifest(storage: Storage, rank: int, tensors: bool, guess: int = 256 << 10) -> dict[str, Any]:
+#: Bytes of a data object's end read to find its manifest: one request for most manifests.
+TAIL_GUESS = 256 << 10
+
+
+def _read_packed_manifest(storage: Storage, rank: int, tensors: bool, tail: bytes | None,
+                          fresh: bool) -> dict[str, Any]:
     """A manifest from the trailer of ``packed/<rank>.bin``: one ranged GET for most (more for big ones)."""
     key = rank_object(rank)
     where = f"{storage.url}/{key}"
-    tail = storage.read_tail(key, guess)
+    if tail is None:
+        tail = storage.read_tail(key, TAIL_GUESS)
     footer, n_records, n_manifest = trailer_lengths(where, tail)
     need = footer + n_manifest
     if need > len(tail):
@@ -460,7 +483,7 @@ def _read_packed_manifest(storage: Storage, rank: int, tensors: bool, guess: int
     sha = doc.get("tensors_sha256")
     if not tensors or sha is None:
         return doc
-    records = _RECORDS.get(sha)
+    records = None if fresh else _RECORDS.get(sha)
     if records is None:
         need += n_records
         if need > len(tail):

@@ -30,6 +30,7 @@ from .format.consolidated import RootMetadata
 from .format.meta import COMMIT_KEY, META_DIR, ArrayMeta
 from .io.storage import IOStats, Storage
 from .lazy import LazyTensor, Region
+from .locate import ByRanks, ByReferences, Locator, read_references
 from .protocol import (
     GENERATION_PREFIX,
     Marker,
@@ -56,7 +57,7 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
     def __init__(self, storage: Storage, arrays: dict[str, ArrayMeta], leaves: dict[str, Any],
                  committed: bool, engine: str = "fast", gap: int | None = None, *,
                  root: Storage | None = None, marker: bytes | None = None,
-                 refs: references.References | None = None) -> None:
+                 locator: Locator | None = None) -> None:
         #: The generation this view reads (its zarr hierarchy: ``zarr_url``).
         self.storage = storage
         #: The checkpoint's URL, whose marker names the committed generation.
@@ -72,7 +73,7 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
         #: What the ranks' manifests disagree on (an uncommitted save opened for forensics).
         self.conflicts: list[str] = []
         #: The one I/O path of every read (shard indexes are cached there).
-        self.fetcher = Fetcher(storage, engine, gap, refs=refs, root=self.root)
+        self.fetcher = Fetcher(storage, engine, gap, locator=locator, root=self.root)
 
     # ----------------------------------------------------------- mapping
     def __getitem__(self, name: str) -> Any:
@@ -137,12 +138,12 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
     @property
     def form(self) -> str:
         """The storage form: ``"packed"`` or ``"directory"``."""
-        return "directory" if self.fetcher.refs is None else "packed"
+        return "directory" if self.fetcher.locator is None else "packed"
 
     @property
     def references_url(self) -> str | None:
         """Packed form: the save's kerchunk references (``fsspec`` ``reference://``); None otherwise."""
-        return None if self.fetcher.refs is None else f"{self.storage.url}/{references.REFS_KEY}"
+        return None if self.fetcher.locator is None else self.fetcher.locator.references_url
 
     @property
     def nbytes(self) -> int:
@@ -397,13 +398,19 @@ def open(url: str, *, allow_uncommitted: bool = False, storage_options: dict[str
         return _open_uncommitted(root, allow_uncommitted, save_id, engine, gap)
     marker, raw_marker = found
     storage = generation_storage(root, marker)
-    refs = read_references(storage, marker) if marker.form == "packed" else None
-    if refs is not None:
+    locator: Locator | None = None
+    if marker.form == "packed" and marker.locations is None:  # older packed saves: the root document is in refs
+        refs = read_references(storage, marker)
         arrays, leaves = parse_metadata(f"{storage.url}/zarr.json", refs.root, marker)
+        locator = ByReferences(storage, marker, refs)
     else:
         arrays, leaves = read_metadata(storage, marker)
+        if marker.locations == "ranks":
+            locator = ByRanks(storage, marker.save_id, marker.generation)
+        elif marker.form == "packed":
+            locator = ByReferences(storage, marker)
     ckpt = Checkpoint(storage, arrays, leaves, committed=True, engine=engine, gap=gap, root=root, marker=raw_marker,
-                      refs=refs)
+                      locator=locator)
     ckpt.check_replaced = check_current
     ckpt.save_id = marker.save_id
     return ckpt
@@ -413,19 +420,6 @@ def _file_not_checkpoint(url: str) -> str:
     hint = ("; 'reshard import safetensors FILE DST' converts it"
             if str(url).endswith((".safetensors", ".json")) else "")
     return f"{url} is a file, not a checkpoint (a reshard checkpoint is a folder or URL prefix){hint}"
-
-
-def read_references(storage: Storage, marker: Marker) -> references.References:
-    """A packed save's references, checked against the digest its marker recorded."""
-    where = f"{storage.url}/{references.REFS_KEY}"
-    try:
-        raw = storage.read(references.REFS_KEY)
-    except FileNotFoundError:
-        raise FormatError(f"{where} is missing: the committed save's references are gone") from None
-    if metadata_digest(raw) != marker.references_sha256:
-        raise FormatError(f"{where} does not match the digest in its commit marker: the references were edited or "
-                          "corrupted after the commit")
-    return references.parse(where, raw)
 
 
 def read_metadata(storage: Storage, marker: Marker) -> tuple[dict[str, ArrayMeta], dict[str, Any]]:
@@ -480,14 +474,14 @@ def _open_uncommitted(root: Storage, allow: bool, save_id: Any, engine: str, gap
             f"{root.url}: every rank has written but the checkpoint was never committed "
             "(call commit(), or open with allow_uncommitted=True)")
     conflicts: list[str] = []
-    arrays, leaves, refs = _from_manifests(gen, conflicts)
-    ckpt = Checkpoint(gen, arrays, leaves, committed=False, engine=engine, gap=gap, root=root, refs=refs)
+    arrays, leaves, locator = _from_manifests(gen, conflicts)
+    ckpt = Checkpoint(gen, arrays, leaves, committed=False, engine=engine, gap=gap, root=root, locator=locator)
     ckpt.conflicts = conflicts
     return ckpt
 
 
 def _from_manifests(storage: Storage, conflicts: list[str]
-                    ) -> tuple[dict[str, ArrayMeta], dict[str, Any], references.References | None]:
+                    ) -> tuple[dict[str, ArrayMeta], dict[str, Any], Locator | None]:
     """Whatever the ranks that did write have described (missing ranks are skipped, disagreements listed)."""
     try:
         manifests = read_manifests(storage)
@@ -498,7 +492,7 @@ def _from_manifests(storage: Storage, conflicts: list[str]
     if not any("packed" in m for m in manifests.values()):
         return arrays, leaves, None
     refs = references.parse(f"{storage.url}/{META_DIR}/ranks", references.build({"zarr.json": b"{}"}, located))
-    return arrays, leaves, refs
+    return arrays, leaves, ByReferences(storage, None, refs)
 
 
 def _human(n: float) -> str:

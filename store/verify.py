@@ -12,6 +12,7 @@ path as ``load`` (shard indexes and chunks crc32c-checked). Each problem is a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -29,11 +30,12 @@ from reshard.layouts.errors import (
 )
 
 from .format.meta import ArrayMeta, stored_name
-from .format.refs import REFS_KEY
+from .format.refs import REFS_KEY, References
 from .format.schema import check_group, check_root, loads_json
 from .io.storage import Storage
-from .protocol import Marker, generation_storage, merge_manifests, read_manifest, read_marker
-from .reader import Checkpoint, open, parse_metadata, read_references
+from .locate import read_references
+from .protocol import Marker, generation_storage, merge_manifests, merge_packed, read_manifest, read_marker
+from .reader import Checkpoint, open, parse_metadata
 from .reader import _file_not_checkpoint as file_not_checkpoint
 
 #: Every kind of damage :func:`verify` reports (docs/cli.md describes each).
@@ -44,6 +46,8 @@ KINDS = {
     "array-json": "an array's zarr.json is missing, malformed, or differs from the consolidated metadata",
     "group-json": "a group's zarr.json is missing, malformed, or differs from the consolidated metadata",
     "manifest": "a rank's manifest is missing, malformed, or disagrees with the committed metadata",
+    "references": "packed form: refs.json (what zarr-python reads) is missing, does not match the marker, or "
+                  "disagrees with the root zarr.json or with where the ranks' manifests say the shards are",
     "shard": "a shard object is missing, truncated, or its index is damaged",
     "checksum": "a chunk's bytes fail their crc32c",
     "replaced": "the checkpoint was committed anew while it was verified",
@@ -165,8 +169,8 @@ def _committed(root: Storage, marker: Marker, storage_options: dict[str, Any] | 
     report.committed = True
     gen = generation_storage(root, marker)
     where = f"{gen.url}/zarr.json"
+    read_doc, refs = documents(gen, marker, report)
     try:
-        read_doc = documents(gen, marker)
         arrays, leaves = parse_metadata(where, read_doc("zarr.json"), marker)
     except FileNotFoundError:
         report.add("metadata", where, "missing: the committed save's metadata is gone")
@@ -184,7 +188,7 @@ def _committed(root: Storage, marker: Marker, storage_options: dict[str, Any] | 
         return None
     docs = check_root(loads_json(where, read_doc("zarr.json")), where)[1]
     _check_node_files(gen, read_doc, docs, report)
-    _check_manifests(gen, marker, arrays, leaves, report)
+    _check_manifests(gen, marker, arrays, leaves, report, refs)
     try:
         return open(root.url, storage_options=storage_options)
     except ReshardError as e:  # replaced meanwhile
@@ -192,22 +196,34 @@ def _committed(root: Storage, marker: Marker, storage_options: dict[str, Any] | 
         return None
 
 
-def documents(gen: Storage, marker: Marker) -> Callable[[str], bytes]:
-    """Read a save's zarr documents by key: objects in the directory form, the references' inline copies
-    in the packed form (FileNotFoundError for a key that has none)."""
+def documents(gen: Storage, marker: Marker, report: VerifyReport
+              ) -> tuple[Callable[[str], bytes], References | None]:
+    """Read a save's zarr documents by key: objects in the directory form, the references' inline copies in the
+    packed form (FileNotFoundError for a key that has none); and the packed form's references (None if damaged,
+    which is reported)."""
     if marker.form != "packed":
-        return gen.read
-    read_references(gen, marker)  # the references match their digest in the marker
+        return gen.read, None
     where = f"{gen.url}/{REFS_KEY}"
-    inline = loads_json(where, gen.read(REFS_KEY)).get("refs", {})
+    try:
+        refs = read_references(gen, marker)  # the references match their digest in the marker
+        inline = loads_json(where, gen.read(REFS_KEY))["refs"]
+    except (ReshardError, FileNotFoundError) as e:
+        report.add("references", where, e)
+        refs, inline = None, {}
+    if marker.locations is not None and refs is not None:  # the root document is an object of its own too
+        with contextlib.suppress(FileNotFoundError):
+            if gen.read("zarr.json") != refs.root:
+                report.add("references", where, "its root zarr.json differs from the save's zarr.json")
 
     def read(key: str) -> bytes:
+        if key == "zarr.json" and marker.locations is not None:
+            return gen.read(key)
         doc = inline.get(key)
         if not isinstance(doc, str):
             raise FileNotFoundError(f"{where}: no document {key!r}")
         return doc.encode()
 
-    return read
+    return read, refs
 
 
 def _check_node_files(gen: Storage, read_doc: Callable[[str], bytes], docs: dict[str, Any],
@@ -235,13 +251,13 @@ def _check_node_files(gen: Storage, read_doc: Callable[[str], bytes], docs: dict
 
 
 def _check_manifests(gen: Storage, marker: Marker, arrays: dict[str, ArrayMeta], leaves: dict[str, Any],
-                     report: VerifyReport) -> None:
-    """Every committed rank's manifest, merged, against the committed metadata."""
+                     report: VerifyReport, refs: References | None) -> None:
+    """Every committed rank's manifest, merged, against the committed metadata (and the packed form's references)."""
     manifests = {}
     for rank in marker.ranks:
         where = f"{gen.url}/.reshard/ranks/{rank}.json"
         try:
-            manifests[rank] = read_manifest(gen, rank)
+            manifests[rank] = read_manifest(gen, rank, fresh=True)
             report.files_checked += 1
         except FileNotFoundError:
             report.add("manifest", where, "missing")
@@ -266,6 +282,32 @@ def _check_manifests(gen: Storage, marker: Marker, arrays: dict[str, ArrayMeta],
                        f"the committed metadata differs from the ranks' manifests in {fields} ({gen.url})")
     if json.dumps(merged_leaves, sort_keys=True) != json.dumps(leaves, sort_keys=True):
         report.add("metadata", f"{gen.url}/zarr.json", "its leaves differ from the ranks' manifests")
+    if refs is not None:
+        _check_references(gen, manifests, metas, refs, report)
+
+
+def _check_references(gen: Storage, manifests: dict[int, dict[str, Any]], metas: dict[str, ArrayMeta],
+                      refs: References, report: VerifyReport) -> None:
+    """The references point every shard where the ranks' manifests say it is (what reshard reads)."""
+    try:
+        located = merge_packed(gen.url, manifests, metas) or {}
+    except ReshardError as e:
+        report.add("manifest", f"{gen.url}/.reshard/ranks", e)
+        return
+    where = f"{gen.url}/{REFS_KEY}"
+    wrong = []
+    for key, want in sorted(located.items()):
+        try:
+            got = refs.locate(key, key)
+        except ReshardError:
+            got = None
+        if got is None or tuple(got) != tuple(want):
+            wrong.append(key)
+    extra = sorted(set(refs.shards) - set(located))
+    if wrong or extra:
+        shown = (wrong + extra)[:3]
+        report.add("references", where, f"{len(wrong)} shard reference(s) differ from the ranks' manifests and "
+                                         f"{len(extra)} name shards no rank wrote (e.g. {shown})")
 
 
 def _check_data(ckpt: Checkpoint, report: VerifyReport, progress: Callable[[int], None] | None) -> None:

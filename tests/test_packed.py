@@ -18,6 +18,7 @@ import pytest
 import reshard.store as rs
 import zarr
 from reshard.layouts import Layout
+from reshard.layouts.errors import FormatError
 from reshard.store.format import refs as references
 
 RNG = np.random.default_rng(12)
@@ -68,16 +69,41 @@ def test_one_data_object_per_rank_and_references(tmp_path):
     assert ckpt.form == "packed"
     gen = pathlib.Path(ckpt.zarr_url)
     objects = sorted(p.relative_to(gen).as_posix() for p in gen.rglob("*") if p.is_file())
-    # one object per rank (its manifest rides at its end), the references, the lock
-    assert objects == [".reshard/commit.lock", *[f"packed/{r}.bin" for r in range(4)], "refs.json"]
+    # one object per rank (its manifest rides at its end), the references, the root document, the lock
+    assert objects == [".reshard/commit.lock", *[f"packed/{r}.bin" for r in range(4)], "refs.json", "zarr.json"]
     doc = json.loads((gen / "refs.json").read_bytes())
+    assert (gen / "zarr.json").read_bytes() == doc["refs"]["zarr.json"].encode()
     assert doc["version"] == 1 and doc["templates"] == {"root": "."}
     assert json.loads(doc["refs"]["zarr.json"])["consolidated_metadata"]["metadata"]
     assert doc["refs"]["model/w/c/2/0"][0] == f"{{{{root}}}}/{gen.name}/packed/2.bin"
     marker = json.loads((tmp_path / "ck" / ".reshard" / "commit.json").read_bytes())
-    assert marker["form"] == "packed" and len(marker["references_sha256"]) == 64
+    assert marker["form"] == "packed" and len(marker["references_sha256"]) == 64 and marker["locations"] == "ranks"
     for name, arr in full.items():
         np.testing.assert_array_equal(ckpt[name].read(), arr)
+
+
+def test_a_load_reads_the_manifests_of_the_ranks_it_touches_not_the_references(tmp_path):
+    """Shard locations come from the writing ranks' manifests: loading one target rank reads the marker, the root
+    document and the source objects it needs (their trailers, then data), never refs.json."""
+    full = {"w": np.arange(64 * 6, dtype=np.float32).reshape(64, 6), "b": np.arange(64, dtype=np.int32)}
+    layouts = {n: Layout(a.shape, (8,), dims=((0,),) + ((),) * (a.ndim - 1)) for n, a in full.items()}
+    url = str(tmp_path / "ck")
+    write_ranks(url, full, layouts, range(8)).commit()
+    gen = pathlib.Path(rs.open(url).zarr_url)
+    (gen / "refs.json").rename(tmp_path / "refs.json")  # reshard's reader must not need it
+    ckpt = rs.open(url)
+    target = {n: Layout(a.shape, (4,), dims=((0,),) + ((),) * (a.ndim - 1)) for n, a in full.items()}
+    got = ckpt.load(target, 1)
+    for name, arr in full.items():
+        np.testing.assert_array_equal(got[name], arr[16:32])
+    stats = ckpt.stats
+    # marker, root zarr.json, then source ranks 2 and 3: a trailer read each (their data comes with it: small)
+    assert stats.requests <= 2 + 2 * 2, stats
+    (gen / "packed" / "2.bin").write_bytes(b"not a data object")
+    with pytest.raises(FormatError, match=r"2\.bin"):
+        rs.open(url).load(target, 1)
+    report = rs.verify(url)
+    assert not report.ok and {d.kind for d in report.damage} >= {"references"}
 
 
 def test_objects_split_at_object_bytes(tmp_path):
@@ -112,19 +138,19 @@ def test_plain_zarr_and_dask_read_packed_after_the_folder_moved(tmp_path):
 
 
 def test_load_merges_ranges_across_tensors(tmp_path):
-    """One target rank of 3 from 4 source ranks of 40 small tensors: a request or two per source object."""
-    layouts = {f"t{i}": Layout.from_dtensor((4,), ["S(0)"], (64, 32)) for i in range(40)}
-    full = {n: RNG.standard_normal((64, 32)).astype(np.float32) for n in layouts}
+    """One target rank of 3 from 4 source ranks of 40 tensors: its manifest and one data request per source object."""
+    layouts = {f"t{i}": Layout.from_dtensor((4,), ["S(0)"], (64, 512)) for i in range(40)}
+    full = {n: RNG.standard_normal((64, 512)).astype(np.float32) for n in layouts}
     url = str(tmp_path / "ck")
     write_ranks(url, full, layouts, [0, 1, 2, 3]).commit()
     ckpt = rs.open(url)
-    target = {n: Layout.from_dtensor((3,), ["S(0)"], (64, 32)) for n in layouts}
+    target = {n: Layout.from_dtensor((3,), ["S(0)"], (64, 512)) for n in layouts}
     got = ckpt.load(target, 1)
     for name in layouts:
         np.testing.assert_array_equal(got[name], full[name][target[name].region(1)])
     needed = sum(a.nbytes for a in got.values())
     stats = ckpt.last_stats
-    assert stats.requests <= 2  # rows 21..43 lie in source ranks 1 and 2: one request each
+    assert stats.requests <= 2 + 2  # rows 21..43 lie in source ranks 1 and 2: a manifest and a data request each
     assert stats.bytes_fetched <= 2 * needed
     # shards lie back to back: merged even with no gap allowed; a negative gap merges nothing
     assert rs.open(url, gap=0).load(target, 1) and True
@@ -144,10 +170,14 @@ def test_corrupted_references_and_data_are_refused(tmp_path):
     data.write_bytes(bytes(raw))
     with pytest.raises(rs.ChecksumError):
         rs.open(url).read_all()
+    data.write_bytes(bytes(raw[:3]) + bytes([raw[3] ^ 0xFF]) + bytes(raw[4:]))  # mended
     refs = gen / "refs.json"
     refs.write_bytes(refs.read_bytes().replace(b'"version":1', b'"version":1 '))
-    with pytest.raises(rs.FormatError, match="references"):
-        rs.open(url)
+    # reshard's reader locates shards through the ranks' manifests: it reads on, exactly; verify names the file
+    for name, arr in full.items():
+        np.testing.assert_array_equal(rs.open(url)[name].read(), arr)
+    report = rs.verify(url)
+    assert [(d.kind, d.where) for d in report.damage] == [("references", str(refs))]
 
 
 def test_missing_rank_is_named_and_uncommitted_opens_from_manifests(tmp_path):
@@ -202,7 +232,7 @@ def test_packed_on_s3_rank_processes_plain_zarr_and_gets(s3_proxy, s3_bucket):
     s3_proxy.reset_counters()
     rs.commit(url, storage_options=opts, form="packed")
     puts = s3_proxy.records(method="PUT")
-    assert len(puts) <= 3  # the lock, the references, the marker
+    assert len(puts) <= 4  # the lock, the references, the root document, the marker
     full, _ = state_and_layouts()
     s3_proxy.reset_counters()
     ckpt = rs.open(url, storage_options=opts)

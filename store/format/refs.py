@@ -166,12 +166,19 @@ def _object_key(url: Any) -> str | None:
     if not isinstance(url, str):
         return None
     for prefix, key_prefix in ((_PREFIX, ""), (_PARENT, "../")):
-        if url.startswith(prefix):
-            rest = url[len(prefix):]
-            parts = rest.split("/")
-            if rest and ".." not in parts and "." not in parts and "" not in parts:
-                return key_prefix + rest
+        if url.startswith(prefix) and _inside(url[len(prefix):]):
+            return key_prefix + url[len(prefix):]
     return None
+
+
+def is_object_key(key: str) -> bool:
+    """Whether ``key`` names an object inside the checkpoint root (or, with one leading ``../``, beside it)."""
+    return _inside(key[3:] if key.startswith("../") else key)
+
+
+def _inside(path: str) -> bool:
+    parts = path.split("/")
+    return bool(path) and ".." not in parts and "." not in parts and "" not in parts
 
 
 def parse(url: str, raw: bytes) -> References:

@@ -197,9 +197,12 @@ def marker_fields(doc: Any, where: str) -> dict[str, Any]:
         raise _fail(where, "form", "a string", form)
     if refs_digest is not None and (not isinstance(refs_digest, str) or not _HEX64.fullmatch(refs_digest)):
         raise _fail(where, "references_sha256", "64 lowercase hex digits", refs_digest)
+    locations = doc.get("locations")
+    if locations not in (None, "ranks", "references") or (locations is not None and form != "packed"):
+        raise _fail(where, "locations", "'ranks' or 'references' (packed form only), or absent", locations)
     out.update(generation=generation, save_id=None if save_id is None else str(save_id), time=float(time),
                tensors=tensors, ranks=list(int_list(ranks, where, "ranks")), metadata_sha256=digest, form=form,
-               references_sha256=refs_digest)
+               references_sha256=refs_digest, locations=locations)
     return out
 
 

@@ -33,9 +33,8 @@ import numpy as np
 
 from ..fetch import Fetcher
 from ..format.meta import ArrayMeta
-from ..format.refs import REFS_KEY, References
-from ..format.refs import parse as parse_references
 from ..io.storage import IOStats, Storage
+from ..locate import Locator, locator_for
 from ..tree import LayoutSpec, unflatten
 from .schedule import (
     DEFAULT_FUSE_BYTES,
@@ -76,13 +75,17 @@ class Source:
     retries: int
     token: str
     small_shard_bytes: int | None = None
-    #: Packed form: the checkpoint root (references are relative to it); None for the directory form.
+    #: Packed form: the checkpoint root (shard locations are relative to it); None for the directory form.
     root: str | None = None
+    #: Packed form: how shards are located (:func:`reshard.store.locate.locator_for`), and the save's id.
+    locations: str | None = None
+    save_id: str | None = None
+    generation: str = ""
 
 
 _opened: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()  # token -> open checkpoint
 _indexes: OrderedDict[str, dict[str, np.ndarray]] = OrderedDict()  # token -> index cache, in workers
-_references: OrderedDict[str, References] = OrderedDict()  # token -> packed references, in workers
+_locators: OrderedDict[str, Locator] = OrderedDict()  # token -> packed shard locations, in workers
 _lock = threading.Lock()
 
 
@@ -103,9 +106,11 @@ def source_of(ckpt: Checkpoint, gap: int | None = None) -> Source:
     fetcher = ckpt.fetcher
     storage = fetcher.storage
     options = dict(getattr(storage.fs, "storage_options", None) or {})
+    locator = fetcher.locator
     return Source(storage.url, options, fetcher.engine, fetcher.gap if gap is None else int(gap),
                   storage.retries, token, fetcher.small_shard_bytes,
-                  None if fetcher.refs is None else fetcher.root.url)
+                  None if locator is None else fetcher.root.url, None if locator is None else locator.kind,
+                  ckpt.save_id, getattr(locator, "generation", ""))
 
 
 def open_source(source: Source) -> Fetcher:
@@ -118,31 +123,24 @@ def open_source(source: Source) -> Fetcher:
     root = Storage(source.root, dict(source.storage_options), retries=source.retries) if source.root else None
     with _lock:
         if home is not None:
-            indexes, refs = home.fetcher.indexes, home.fetcher.refs
-        else:  # a worker process: a small LRU of index caches (and references), one per checkpoint
+            indexes, locator = home.fetcher.indexes, home.fetcher.locator
+        else:  # a worker process: a small LRU of index caches (and shard locations), one per checkpoint
             cache = _indexes.pop(source.token, None)
             indexes = _indexes[source.token] = cache if cache is not None else {}
             while len(_indexes) > 16:
                 _indexes.popitem(last=False)
-            refs = _references.get(source.token)
-    if root is not None and refs is None:
-        refs = _load_references(storage, source.token)
-    fetcher = Fetcher(storage, source.engine, source.gap, indexes, refs=refs, root=root)
+            locator = _locators.get(source.token)
+            if locator is None and source.locations is not None:
+                locator = _locators[source.token] = locator_for(storage, source.locations, source.save_id,
+                                                                      source.generation)
+                while len(_locators) > 16:
+                    _locators.popitem(last=False)
+    fetcher = Fetcher(storage, source.engine, source.gap, indexes, locator=locator, root=root)
     if root is not None:  # one counter for the task's reads, through either storage
         root.stats = storage.stats
     if source.small_shard_bytes is not None:
         fetcher.small_shard_bytes = source.small_shard_bytes
     return fetcher
-
-
-def _load_references(storage: Storage, token: str) -> References:
-    """A packed checkpoint's references, read once per worker process (the marker vouched for them at open)."""
-    refs = parse_references(f"{storage.url}/{REFS_KEY}", storage.read(REFS_KEY))
-    with _lock:
-        _references[token] = refs
-        while len(_references) > 16:
-            _references.popitem(last=False)
-    return refs
 
 
 def count_home(source: Source, stats: IOStats) -> None:

@@ -110,9 +110,10 @@ def merge_ranges(ranges: Iterable[tuple[str, int, int]], gap: int,
 
 
 class Spans:
-    """Byte ranges fetched from objects, looked up by (object, start, stop)."""
+    """Byte ranges fetched from objects, looked up by (object, start, stop); then in ``base``, if given."""
 
-    def __init__(self) -> None:
+    def __init__(self, base: Spans | None = None) -> None:
+        self.base = base
         self._starts: dict[str, list[int]] = {}
         self._spans: dict[str, list[tuple[int, memoryview]]] = {}
         self._lock = threading.Lock()
@@ -127,22 +128,20 @@ class Spans:
     def get(self, key: str, start: int, stop: int) -> memoryview | None:
         """The bytes ``[start, stop)`` of ``key`` if one fetched span holds them all, else None."""
         starts = self._starts.get(key)
-        if not starts:
-            return None
-        at = bisect.bisect(starts, start) - 1
-        if at < 0:
-            return None
-        s0, data = self._spans[key][at]
-        if stop - s0 > data.nbytes:
-            return None
-        return data[start - s0 : stop - s0]
+        at = bisect.bisect(starts, start) - 1 if starts else -1
+        if at >= 0:
+            s0, data = self._spans[key][at]
+            if stop - s0 <= data.nbytes:
+                return data[start - s0 : stop - s0]
+        return None if self.base is None else self.base.get(key, start, stop)
 
 
 def read_ranges(storage: Storage, ranges: Iterable[tuple[str, int, int]], gap: int,
                 spans: Spans | None = None) -> tuple[Spans, list[int]]:
-    """Fetch byte ranges, merged by :func:`merge_ranges`; return them and each request's bytes."""
-    requests = merge_ranges(ranges, gap)
+    """Fetch byte ranges, merged by :func:`merge_ranges`, into ``spans`` (new if None), leaving out those it
+    holds already; return it and each request's bytes."""
     spans = spans if spans is not None else Spans()
+    requests = merge_ranges([r for r in ranges if spans.get(*r) is None], gap)
 
     def fetch(key: str, start: int, stop: int) -> int:
         buf: Any = memoryview(np.empty(stop - start, dtype=np.uint8))  # type: ignore[arg-type]  # not zero-filled

@@ -95,6 +95,7 @@ class Storage:
         self.local = isinstance(self.fs, LocalFileSystem)
         self.retries = retries
         self.stats = IOStats()
+        self._also: IOStats | None = None
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -112,9 +113,17 @@ class Storage:
             return f"{self.root.rsplit('/', 1)[0]}/{key[3:]}"
         return f"{self.root}/{key}" if key else self.root
 
+    def counting(self, also: IOStats) -> Storage:
+        """This storage, its requests counted in ``also`` too (the counters of one call)."""
+        sub = copy.copy(self)
+        sub._also = also
+        return sub
+
     def count(self, **counts: int) -> None:
         with self._lock:
             self.stats.add(**counts)
+            if self._also is not None:
+                self._also.add(**counts)
 
     # ------------------------------------------------------------ reading
     def read(self, key: str) -> bytes:

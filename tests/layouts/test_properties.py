@@ -6,6 +6,7 @@ import json
 import math
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reshard.layouts import Layout, LayoutError, plan
@@ -200,3 +201,17 @@ def test_boundaries_and_regularity_match_the_blocks(lay):
     else:
         regular = True
     assert lay.is_regular() == regular
+
+
+@SETTINGS
+@given(layouts(), st.randoms(use_true_random=False))
+def test_owner_is_the_writer_of_the_block(lay, rnd):
+    """owner(point) is the replica-0 holder of the one block that holds the point."""
+    for b in lay.blocks():
+        writer = [r for r in b.ranks if lay.replica_id(r) == 0]
+        assert len(writer) == 1
+        corner = tuple(s.start for s in b.region)
+        inside = tuple(rnd.randrange(s.start, s.stop) for s in b.region)
+        assert lay.owner(corner) == writer[0] == lay.owner(inside)
+    with pytest.raises(LayoutError):
+        lay.owner(tuple(lay.shape) if lay.ndim else (0,))
