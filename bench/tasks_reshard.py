@@ -54,8 +54,13 @@ class Save(Task):
         writer = self.rs.create(self.url, self.layouts, **options)
         writer.write(self.ctx.rank, self.local)
         if self.ctx.rank == 0:  # the barrier a training job has anyway: wait for the manifests
+            from reshard.store.protocol import has_written
+
+            deadline = time.monotonic() + 600
             for r in self.ranks:
-                while not writer.storage.exists(f".reshard/ranks/{r}.json"):
+                while not has_written(writer.storage, r, writer.form):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"rank {r} did not write {self.url} within 600 s")
                     time.sleep(0.001)
             writer.commit()
         return writer.storage.stats.as_dict()

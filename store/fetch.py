@@ -215,6 +215,10 @@ class Fetcher:
                     work.append((Request(key, 0, n, tuple(reads)), [target] * len(reads), blob))
                     continue
                 for r in reads:
+                    held = spans.get(obj, off + r.offset, off + r.offset + r.nbytes)
+                    if held is not None:  # in the end of the object read with its manifest
+                        work.append((Request(key, 0, r.nbytes, (r._replace(offset=0),)), [target], held))
+                        continue
                     moved = r._replace(key=obj, offset=off + r.offset)
                     target_of[id(moved)] = target
                     far.append(moved)

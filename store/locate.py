@@ -145,8 +145,13 @@ class ByRanks:
             raise FormatError(f"{where}: its manifest is of save {manifest.get('save_id')!r}, not of the committed "
                               f"save {self.save_id!r}")
         located = {key: _location(where, key, rec) for key, rec in _records(where, manifest).items()}
-        if len(tail) < TAIL_GUESS:
-            self.spans.add(f"{self.generation}/{key}" if self.generation else key, 0, memoryview(tail))
+        # keep the bytes read: the object whole when small, else its end (shards written last, no second read).
+        # The object is its shards back to back, then the trailer: its size follows from the records.
+        obj = f"{self.generation}/{key}" if self.generation else key
+        footer, n_records, n_manifest = references.trailer_lengths(where, tail)
+        size = max((off + n for o, off, n in located.values() if o == obj), default=0) + footer + n_records + n_manifest
+        if size >= len(tail) and (len(tail) < TAIL_GUESS) == (size == len(tail)):
+            self.spans.add(obj, size - len(tail), memoryview(tail))
         with self._lock:
             self._located[rank] = located
 

@@ -450,6 +450,23 @@ def read_manifest(storage: Storage, rank: int, form: str | None = None, *, tenso
     return _own(check_manifest(loads_json(where, raw), where), rank, where)
 
 
+def has_written(gen: Storage, rank: int, form: str | None = None) -> bool:
+    """Whether ``rank`` left its manifest in generation ``gen`` (a stale one counts).
+
+    A small GET per form tried (``None``: both), never a listing or a HEAD
+    (on S3 ``exists`` is a HEAD and a LIST: a storm at a thousand ranks).
+    """
+    if form != "packed" and gen.read_if_exists(manifest_key(rank)) is not None:
+        return True
+    if form == "directory":
+        return False
+    try:
+        gen.read_tail(rank_object(rank), 1)
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def _own(doc: dict[str, Any], rank: int, where: str) -> dict[str, Any]:
     if doc["rank"] != rank:
         raise FormatError(f"{where}: the manifest says it is rank {doc['rank']}'s")

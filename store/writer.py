@@ -47,14 +47,17 @@ from .format.meta import (
     inner_chunk_shape,
     tensor_path,
 )
-from .format.refs import DEFAULT_OBJECT_BYTES, PACKED_DIR, check_form, rank_object, trailer
+from .format.refs import DEFAULT_OBJECT_BYTES, PACKED_DIR, check_form, trailer
 from .format.schema import check_names, with_digest
 from .format.shard import SMALL_SHARD_BYTES, encode_shard
 from .incremental import Base, Reusable, digest
 from .io import packed, pool
 from .io.storage import Storage
-from .protocol import Marker, commit, generation_of, manifest_key, read_marker, save_id_of
+from .protocol import Marker, commit, generation_of, has_written, manifest_key, read_marker, save_id_of
 from .tree import LayoutSpec, flatten, resolve_layout
+
+#: Block writers (importers, redivide), packed form: bytes held before they go out as one data object.
+BUFFER_BYTES = 256 << 20
 
 
 class CheckpointWriter:
@@ -76,6 +79,7 @@ class CheckpointWriter:
         grid: str = "auto",
         form: str | None = None,
         object_bytes: int = DEFAULT_OBJECT_BYTES,
+        buffer_bytes: int = BUFFER_BYTES,
         base: str | None = None,
     ) -> None:
         if engine not in ("fast", "tensorstore"):
@@ -97,6 +101,8 @@ class CheckpointWriter:
             raise ValueError("the tensorstore writer engine writes the directory form only (form='directory')")
         #: Packed form: a writer's data goes on in a new object once one holds this many bytes.
         self.object_bytes = int(object_bytes)
+        #: Packed form, block writers: shards held in memory before they go out as one object.
+        self.buffer_bytes = min(int(buffer_bytes), self.object_bytes)
         #: Packed form, block writers: shards written by write_block, not yet in an object.
         self._pending: list[tuple[str, list[Any], str]] = []
         self._pending_bytes = 0
@@ -241,21 +247,11 @@ class CheckpointWriter:
 
         Its other ranks' manifests may be there too: committing would mix two attempts.
         """
-        # a GET, not exists(): on S3 that is a HEAD and a LIST per rank (a listing storm at scale)
-        if rank not in self._written and self._has_written(rank):
+        if rank not in self._written and has_written(self.storage, rank, self.form):
             raise CheckpointExistsError(
                 f"{self.root.url}: rank {rank} already wrote save_id {self.save_id!r} (an earlier attempt that "
                 "was not committed?). Save under a new save_id, or remove the attempt with "
                 f"`reshard gc {self.root.url} --min-age 0`")
-
-    def _has_written(self, rank: int) -> bool:
-        if self.form == "directory":
-            return self.storage.read_if_exists(manifest_key(rank)) is not None
-        try:
-            self.storage.read_tail(rank_object(rank), 1)  # a GET of one byte
-        except FileNotFoundError:
-            return False
-        return True
 
     def write_block(self, meta: ArrayMeta, region: tuple[slice, ...], data: np.ndarray) -> None:
         """Write the shards of one block of a tensor (``data`` holds the block's values).
@@ -263,8 +259,9 @@ class CheckpointWriter:
         For single-process writers that hold blocks rather than ranks' state
         dicts (importers, :func:`reshard.store.redivide`); the caller writes each
         block once, then calls :meth:`write_manifests` and :meth:`commit`.
-        In the packed form the shards are held until ``object_bytes`` of them
-        are pending (then written as one data object) or :meth:`write_manifests`.
+        In the packed form the shards are held until ``buffer_bytes`` of them
+        are pending (then written as one data object) or :meth:`write_manifests`:
+        a block writer's memory and object size.
         """
         if self.form == "directory":
             pool.run_all(self._shard_jobs(meta, region, data), self.storage.local)
@@ -272,14 +269,21 @@ class CheckpointWriter:
         blobs = self._encode(self._shards(meta, region, data))
         self._pending += blobs
         self._pending_bytes += sum(memoryview(p).nbytes for _, parts, _ in blobs for p in parts)
-        if self._pending_bytes >= self.object_bytes:
-            self._flush()
+        if self._pending_bytes >= self.buffer_bytes:
+            self.flush()
 
-    def _flush(self) -> None:
+    def flush(self) -> dict[str, Any]:
+        """Packed form: write the shards :meth:`write_block` holds as one data object.
+
+        Returns where every shard this writer wrote went, ``{shard key: [object,
+        offset, length]}``: what another process's :meth:`write_manifests` takes
+        as ``located`` (a DCP plugin's ranks write, its coordinator commits).
+        """
         if self._pending:
             self._located.update(self._pack(uuid.uuid4().hex[:12], self._pending))
             self._hashes.update((key, sha) for key, _, sha in self._pending)
         self._pending, self._pending_bytes = [], 0
+        return dict(self._located)
 
     def write_manifests(self, metas: Mapping[str, ArrayMeta], leaves: Mapping[str, Any],
                         located: Mapping[str, Any] | None = None) -> None:
@@ -288,7 +292,7 @@ class CheckpointWriter:
         ``located``: packed shards written elsewhere (redivide's tasks), ``{shard key:
         (object, offset, length)}``; they and :meth:`write_block`'s go into the first rank's manifest.
         """
-        self._flush()
+        self.flush()
         self._json_manifests = True
         records = {**self._located, **(located or {})}
         hashes = {k: v for k, v in self._hashes.items() if k in records}
@@ -384,7 +388,7 @@ class CheckpointWriter:
 INLINE_SHARD_BYTES = 128 << 10
 
 #: The storage form new checkpoints get (chosen by measurement: docs/performance.md).
-DEFAULT_FORM = "directory"
+DEFAULT_FORM = "packed"
 
 
 def _write_shard(storage: Storage, meta: ArrayMeta, idx: tuple[int, ...], data: np.ndarray) -> None:
@@ -443,7 +447,9 @@ def create(url: str, layouts: LayoutSpec, **options: Any) -> CheckpointWriter:
         ``form``: ``"packed"`` (default: each rank's shards back to back in one
         data object, plus kerchunk references) or ``"directory"`` (one object
         per shard, for TensorStore); ``object_bytes``: packed form, a rank's
-        data goes on in a new object once one holds this many bytes (4 GiB).
+        data goes on in a new object once one holds this many bytes (4 GiB);
+        ``buffer_bytes``: packed form, block writers (importers, redivide) hold
+        this many bytes in memory (256 MiB), then write them as one object.
         ``base``: an incremental save (packed form): the URL of an earlier
         committed packed save, this checkpoint itself or one beside it (a
         manager's previous step); a shard whose bytes (their XXH3-128 hash) equal what the

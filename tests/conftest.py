@@ -29,6 +29,13 @@ def s3_bucket(s3_server: LocalS3Server) -> str:
     return s3_server.make_bucket()
 
 
+@pytest.fixture(autouse=True)
+def _directory_form(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests marked ``directory_form`` save in the directory form unless they say otherwise (in this process)."""
+    if request.node.get_closest_marker("directory_form") is not None:
+        monkeypatch.setattr("reshard.store.writer.DEFAULT_FORM", "directory")
+
+
 @pytest.fixture(params=["packed", "directory"])
 def form(request: pytest.FixtureRequest) -> str:
     """Each storage form in turn (``create(..., form=form)``): suites run on both."""

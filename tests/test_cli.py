@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -36,9 +35,9 @@ def ckpt_url(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture
 def copy(ckpt_url: str, tmp_path: Path) -> str:
-    """A private copy of the checkpoint, free to damage."""
+    """A private copy of the checkpoint in the directory form (a file per shard), free to damage."""
     dst = tmp_path / "copy"
-    shutil.copytree(ckpt_url, dst)
+    rs.convert(ckpt_url, str(dst), form="directory")
     return str(dst)
 
 
@@ -79,7 +78,8 @@ def test_inspect_tree_and_totals(ckpt_url, capsys):
     assert run("inspect", ckpt_url) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0] == f"{ckpt_url}  (committed, saved by 8 ranks)"
-    assert out.splitlines()[1] == f"zarr group (plain zarr, TensorStore, dask): {zarr_root(ckpt_url)}"
+    assert out.splitlines()[1] == ("packed form; zarr group through references (plain zarr, dask; docs/format.md): "
+                                   f"{zarr_root(ckpt_url)}/refs.json")
     assert "\n  embed.weight " in out and "\n    0\n" in out
     line = next(x for x in out.splitlines() if x.strip().startswith("embed.weight"))
     assert "bfloat16" in line and "[256, 64]" in line and "dev[2,4] tmap[0,-1]" in line and line.endswith(" 4")

@@ -13,6 +13,8 @@ from reshard.layouts import Layout
 from reshard.layouts.errors import FormatError
 from reshard.store.format.schema import with_digest
 
+pytestmark = pytest.mark.directory_form  # these tests look at or damage the directory form's files
+
 
 def _save(tmp_path: Path) -> str:
     url = str(tmp_path / "ck")

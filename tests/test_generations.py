@@ -89,6 +89,7 @@ def test_a_rank_left_over_from_an_uncommitted_attempt_is_refused(tmp_path):
     assert float(rs.open(url)["m"].read().max()) == 2.0
 
 
+@pytest.mark.directory_form
 def test_a_reader_of_a_replaced_checkpoint_raises_never_mixes(tmp_path):
     url = str(tmp_path / "ck")
     _save_old(url)
@@ -232,6 +233,7 @@ def _as_version_1(url: str) -> None:
         {"format_version": 1, "time": marker["time"], "save_id": None, "tensors": 1, "ranks": marker["ranks"]}))
 
 
+@pytest.mark.directory_form
 def test_format_version_1_opens_and_is_replaced_by_a_generation(tmp_path):
     url = str(tmp_path / "ck")
     _save_old(url)

@@ -21,6 +21,8 @@ from reshard.store.format.meta import ArrayMeta
 from reshard.store.format.schema import with_digest
 from reshard.store.format.shard import _encode_chunks, encode_shard
 
+pytestmark = pytest.mark.directory_form  # these tests look at or damage the directory form's files
+
 RNG = np.random.default_rng(12)
 
 

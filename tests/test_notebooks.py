@@ -62,6 +62,9 @@ def test_redivide(tmp_path, monkeypatch):
 def test_cloud(tmp_path, monkeypatch):
     text = execute("cloud.ipynb", tmp_path, monkeypatch)
     assert "open: 2 requests" in text
-    ratio = float(re.search(r"bytes fetched ratio: ([0-9.]+) of the checkpoint", text).group(1))
-    assert 0 < ratio < 0.5  # one rank of 7 reads a fraction of the checkpoint
+    ratio = float(re.search(r"\nbytes fetched ratio: ([0-9.]+) of the checkpoint", text).group(1))
+    lean = float(re.search(r"gap=0 bytes fetched ratio: ([0-9.]+) of the checkpoint", text).group(1))
+    requests = [int(n) for n in re.findall(r"in (\d+) requests", text)]
+    assert 0 < lean < 0.6 and lean < ratio <= 1  # one rank of 7 needs a fraction; merged gaps fetch more
+    assert requests[0] < requests[1]  # ... in fewer requests
     assert "s3://checkpoints/step-100  (committed, saved by 8 ranks)" in text

@@ -10,6 +10,8 @@ import reshard.store as rs
 from paths import zarr_root
 from reshard.layouts import Layout
 
+pytestmark = pytest.mark.directory_form  # these tests look at or damage the directory form's files
+
 RNG = np.random.default_rng(3)
 
 
@@ -28,7 +30,7 @@ def saved(tmp_path_factory):
         "f8": Layout.from_jax({"x": 2, "y": 2}, ["x", "y"], (16, 4)),
         "bal": Layout.from_oneflow([0, 1, 2, 3, 4, 5], "S(0)", (20, 6)),  # balanced: not a regular grid
     }
-    rs.save(state, root, lay, compression=None, grid="regular")  # "bal" on the gcd grid: every reader reads it
+    rs.save(state, root, lay, compression=None, grid="regular", form="directory")  # "bal": gcd grid
     return root, state
 
 

@@ -70,6 +70,7 @@ def test_load_with_wrong_global_shape(tmp_path):
         Layout.from_dtensor((2,), ["S(0)"], (4, 3)).region(7)
 
 
+@pytest.mark.directory_form
 def test_corrupted_chunk_names_the_tensor(tmp_path):
     arr = np.arange(4096, dtype=np.float32).reshape(64, 64)
     rs.save({"layer.w": arr, "layer.ok": arr}, tmp_path / "ck", chunk_bytes=2048)
@@ -84,6 +85,7 @@ def test_corrupted_chunk_names_the_tensor(tmp_path):
     np.testing.assert_array_equal(ckpt["layer.ok"].read(), arr)
 
 
+@pytest.mark.directory_form
 def test_truncated_shard_and_garbage_metadata(tmp_path):
     rs.save({"w": np.ones((8, 8))}, tmp_path / "ck")
     shard = next((pathlib.Path(rs.open(tmp_path / "ck").zarr_url) / "w").rglob("c/0/0"))

@@ -19,9 +19,9 @@ import pytest
 pytest.importorskip("torch")
 
 import reshard.store as rs
+import reshard.torch as rt
 import torch
 import torchproc
-from reshard.store.frontends import torch as rt
 from test_torch_fsdp import Net, _build, _check_local, _full, _train
 
 pytestmark = pytest.mark.torch

@@ -103,6 +103,7 @@ def test_a_forked_writer_does_not_hang_after_the_parent_used_reshard(tmp_path):
 
 
 # ------------------------------------------------------- defect 8: errors
+@pytest.mark.directory_form
 def test_a_truncated_shard_names_the_file_and_tensor(tmp_path):
     """Defect 8: a truncated shard gave ``OSError [Errno 22] Invalid argument`` naming nothing."""
     big = np.arange(300_000, dtype=np.float32)  # over SMALL_SHARD_BYTES: its index is read by suffix
@@ -136,6 +137,7 @@ def test_malformed_marker_is_a_format_error_naming_it(tmp_path, junk):
     lambda d: d["tensors"]["w"].update(layout={"version": 1}), lambda d: d["tensors"]["w"].pop("layout"),
     lambda d: d["tensors"]["w"]["layout"].update(ranks={"range": [0]}), lambda d: d.update(leaves=3),
 ])
+@pytest.mark.directory_form
 def test_wrong_typed_manifests_are_format_errors(tmp_path, edit):
     """Defect 8: wrong-typed JSON gave raw TypeError/ValueError/AttributeError.
 

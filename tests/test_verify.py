@@ -24,6 +24,8 @@ from reshard.store.cli import main
 from reshard.store.protocol import Marker
 from reshard.store.verify import KINDS, verify
 
+pytestmark = pytest.mark.directory_form  # these tests look at or damage the directory form's files
+
 W = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
 
 

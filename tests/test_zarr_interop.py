@@ -77,7 +77,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, np.n
         "model.f8a": Layout.from_dtensor((2,), ["S(1)"], (4, 4)),
         "model.f8b": Layout.from_dtensor((2,), ["R"], (3, 5)),
     }
-    rs.save(state, url, layouts)
+    rs.save(state, url, layouts, form="directory")  # plain zarr opens the folder (packed: tests/test_packed.py)
     return str(zarr_root(url)), truth
 
 
@@ -132,10 +132,15 @@ def test_zarr_after_import_reshard_store(saved: tuple[str, dict[str, np.ndarray]
     _check_reads(_run(sys.executable, PROBE_REGISTERED, root), truth)
 
 
-def test_xarray_opens_the_checkpoint_as_a_tree(saved: tuple[str, dict[str, np.ndarray]]) -> None:
+@pytest.mark.parametrize("form", ["directory", "packed"])
+def test_xarray_opens_the_checkpoint_as_a_tree(saved: tuple[str, dict[str, np.ndarray]], form: str,
+                                               tmp_path: Path) -> None:
     """Issue 14 item 2: every array names its dimensions ``<tensor>.<axis>``, unique per tensor."""
     xr = pytest.importorskip("xarray")
     root, truth = saved
+    if form == "packed":  # the same save in the packed form, read through Checkpoint.zarr_store()
+        rs.convert(str(Path(root).parent), str(tmp_path / "packed"), form="packed")
+        root = rs.open(str(tmp_path / "packed")).zarr_store()
     tree = xr.open_datatree(root, engine="zarr")
     weight = tree["model/embed"].dataset["weight"]
     assert weight.dims == ("model.embed.weight.0", "model.embed.weight.1")
@@ -143,7 +148,7 @@ def test_xarray_opens_the_checkpoint_as_a_tree(saved: tuple[str, dict[str, np.nd
     assert weight.values.tobytes() == truth["model/embed/weight"].tobytes()
     assert tree.attrs["reshard"]["leaves"] == {"step": 3}
     # f8a (4, 4) and f8b (3, 5) share a group: their own dimension names keep the sizes apart
-    model = xr.open_zarr(root, group="model", consolidated=False)
+    model = xr.open_zarr(root, group="model")  # consolidated metadata (in every save's root document)
     assert dict(model.sizes) == {"model.f8a.0": 4, "model.f8a.1": 4, "model.f8b.0": 3, "model.f8b.1": 5}
     assert model["f8b"].values.tobytes() == truth["model/f8b"].tobytes()
 

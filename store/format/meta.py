@@ -220,6 +220,12 @@ class ArrayMeta:
         for f in _DEFERRED:
             self.__dict__[f] = full.__dict__[f]
 
+    def resolve(self) -> ArrayMeta:
+        """Complete a deferred record now, checked against the summary (before buffers are sized by it)."""
+        if not self.resolved:
+            self._resolve()
+        return self
+
     @property
     def resolved(self) -> bool:
         """Whether every field is known (always, except for a deferred record not used yet)."""

@@ -113,15 +113,11 @@ def build(documents: Mapping[str, bytes], shards: Mapping[str, Location]) -> byt
         ``{shard key: (object key relative to the root, offset, length)}``.
     """
     refs: dict[str, Any] = {k: v.decode() for k, v in documents.items()}
-    templates = {ROOT_TEMPLATE: "."}
     for key in sorted(shards):
         obj, offset, length = shards[key]
-        if obj.startswith("../"):
-            templates[PARENT_TEMPLATE] = ".."
-            refs[key] = [_PARENT + obj[3:], int(offset), int(length)]
-        else:
-            refs[key] = [_PREFIX + obj, int(offset), int(length)]
-    return json.dumps({"version": 1, "templates": templates, "refs": refs}, separators=(",", ":")).encode()
+        url = _PARENT + obj[3:] if obj.startswith("../") else _PREFIX + obj
+        refs[key] = [url, int(offset), int(length)]
+    return json.dumps({"version": 1, "templates": templates_for(shards), "refs": refs}, separators=(",", ":")).encode()
 
 
 @dataclass(frozen=True)
@@ -141,6 +137,9 @@ class References:
     root: bytes
     shards: dict[str, Any]
     url: str
+    #: Every key the file maps (documents, shards and anything else), and its ``templates``.
+    keys: frozenset[str] = frozenset()
+    templates: Any = None
 
     def locate(self, key: str, tensor: str) -> Location:
         """Where shard ``key`` of ``tensor`` lies: (object key under the root, offset, length)."""
@@ -194,4 +193,11 @@ def parse(url: str, raw: bytes) -> References:
     if not isinstance(root, str):
         raise FormatError(f"{url}: references lack the root zarr.json")
     shards = {k: v for k, v in refs.items() if isinstance(v, list)}
-    return References(root.encode(), shards, url)
+    return References(root.encode(), shards, url, frozenset(refs), doc.get("templates"))
+
+
+def templates_for(shards: Mapping[str, Location]) -> dict[str, str]:
+    """The ``templates`` of a references file locating ``shards`` (``parent`` once one lies beside the root)."""
+    if any(obj.startswith("../") for obj, _, _ in shards.values()):
+        return {ROOT_TEMPLATE: ".", PARENT_TEMPLATE: ".."}
+    return {ROOT_TEMPLATE: "."}

@@ -140,7 +140,15 @@ def decode_index(data: bytes, meta: ArrayMeta, key: str, shard: tuple[int, ...] 
     raw, crc = data[:-4], data[-4:]
     if crc32c(raw) != int.from_bytes(crc, "little"):
         raise ChecksumError(f"tensor {meta.name!r}: shard index of {key!r} fails its crc32c")
-    return np.frombuffer(raw, dtype="<u8").reshape(-1, 2)
+    index = np.frombuffer(raw, dtype="<u8").reshape(-1, 2)
+    if meta.compressor is None:  # every stored chunk is its raw bytes (+ its crc32c): the metadata must agree
+        want = math.prod(meta.chunk) * meta.np_dtype.itemsize + (4 if meta.checksums else 0)
+        sizes = index[index[:, 0] != MISSING, 1]
+        if sizes.size and not (sizes == want).all():
+            raise FormatError(f"tensor {meta.name!r}: shard {key!r} holds chunks of {int(sizes[sizes != want][0])} "
+                              f"bytes where its metadata ({meta.dtype}, chunk {list(meta.chunk)}, checksums "
+                              f"{meta.checksums}) means {want}: the metadata was edited or the shard is not its own")
+    return index
 
 
 # --------------------------------------------------------------------- plan

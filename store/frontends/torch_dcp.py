@@ -153,24 +153,29 @@ class StorageWriter(_Writer):
             writer.write_block(meta, region, array)
             results.append(WriteResult(index=item.index, size_in_bytes=array.nbytes,
                                        storage_data={"dtype": meta.dtype}))
+        located = writer.flush()  # packed form: this rank's data object; where its shards went
+        if located and results:
+            results[-1].storage_data["located"] = located
         return _done(results)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: write every block's manifest and commit (the marker is written last)."""
         items: dict[str, Any] = {}
         dtypes: dict[str, str] = {}
+        located: dict[str, Any] = {}
         for result in (r for rank in results for r in rank):
             data = result.storage_data or {}
             if "leaf" in data:
                 items[result.index.fqn] = data["leaf"]
             else:
                 dtypes[result.index.fqn] = data["dtype"]
+            located.update(data.get("located", {}))
         layouts = {n: Layout.from_json(j) for n, j in self._layouts.items()}
         save_id = self._save_id or self.options.get("save_id")
         writer = create(_url(None, self.url), layouts, **{**self.options, "save_id": save_id})
         metas = {n: writer.meta(n, lay, dtypes[n]) for n, lay in layouts.items()}
         leaves = _regroup(items, getattr(metadata, "planner_data", None) or {}, layouts)
-        writer.write_manifests(metas, leaves)
+        writer.write_manifests(metas, leaves, located)
         writer.commit()
 
     @classmethod

@@ -135,13 +135,26 @@ class Spans:
                 return data[start - s0 : stop - s0]
         return None if self.base is None else self.base.get(key, start, stop)
 
+    def held_from(self, key: str, start: int, stop: int) -> int:
+        """Where the held end of ``[start, stop)`` begins: ``x`` with ``[x, stop)`` held by one span, else ``stop``."""
+        starts = self._starts.get(key)
+        at = bisect.bisect(starts, stop - 1) - 1 if starts else -1
+        if at >= 0:
+            s0, data = self._spans[key][at]
+            if start < s0 and s0 + data.nbytes >= stop:
+                return s0
+        return stop if self.base is None else self.base.held_from(key, start, stop)
+
 
 def read_ranges(storage: Storage, ranges: Iterable[tuple[str, int, int]], gap: int,
                 spans: Spans | None = None) -> tuple[Spans, list[int]]:
     """Fetch byte ranges, merged by :func:`merge_ranges`, into ``spans`` (new if None), leaving out those it
     holds already; return it and each request's bytes."""
     spans = spans if spans is not None else Spans()
-    requests = merge_ranges([r for r in ranges if spans.get(*r) is None], gap)
+    # what is not held yet; a range whose end is held (a rank's tail, read with its manifest): its head only
+    heads = [(key, start, spans.held_from(key, start, stop), stop)
+             for key, start, stop in ranges if spans.get(key, start, stop) is None]
+    requests = merge_ranges([(key, start, x) for key, start, x, _ in heads], gap)
 
     def fetch(key: str, start: int, stop: int) -> int:
         buf: Any = memoryview(np.empty(stop - start, dtype=np.uint8))  # type: ignore[arg-type]  # not zero-filled
@@ -151,4 +164,11 @@ def read_ranges(storage: Storage, ranges: Iterable[tuple[str, int, int]], gap: i
 
     sizes = pool.run_batched([functools.partial(fetch, *r) for r in requests], [r[2] - r[1] for r in requests],
                              storage.local)
+    for key, start, x, stop in heads:
+        if x < stop:  # one span for the whole range: head and held end side by side
+            head, end = spans.get(key, start, x), spans.get(key, x, stop)
+            assert head is not None and end is not None
+            whole = bytearray(stop - start)
+            whole[: x - start], whole[x - start :] = head, end
+            spans.add(key, start, memoryview(whole))
     return spans, sizes

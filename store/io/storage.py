@@ -90,7 +90,9 @@ class Storage:
         self, url: str, storage_options: dict[str, Any] | None = None, retries: int = 5
     ) -> None:
         self.url = str(url).rstrip("/")
-        self.fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        #: The fsspec options it was made with (credentials, endpoint...).
+        self.options = dict(storage_options or {})
+        self.fs, root = fsspec.core.url_to_fs(self.url, **self.options)
         self.root = root.rstrip("/")
         self.local = isinstance(self.fs, LocalFileSystem)
         self.retries = retries

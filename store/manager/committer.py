@@ -29,7 +29,7 @@ from reshard.layouts.errors import UncommittedCheckpointError
 
 from ..format.meta import COMMIT_KEY
 from ..io.storage import Storage
-from ..protocol import commit, describe_missing, generation_of, manifest_key, read_manifest, read_marker
+from ..protocol import commit, describe_missing, generation_of, has_written, read_manifest, read_marker
 from .index import Index, StepRecord, read_index, step_dir, step_of, write_index
 from .retention import Retention, delete_steps, plan, referenced, referenced_steps
 
@@ -130,7 +130,7 @@ class Committer:
                 continue
             if time.monotonic() >= deadline or self.stop.is_set():
                 self.last_poll = (gets, waits)
-                pending = [r for r in pending if gen.read_if_exists(manifest_key(r)) is None]  # name only the absent
+                pending = [r for r in pending if not has_written(gen, r)]  # name only the absent
                 why = "the manager was closed" if self.stop.is_set() else f"after {self.timeout:.0f} s"
                 raise UncommittedCheckpointError(
                     describe_missing(self.root.child(step_dir(step)).url, pending, got)

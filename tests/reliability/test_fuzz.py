@@ -4,7 +4,9 @@ Seeded random edits of one value of a JSON document (a number nudged or made
 huge, a string swapped for another dtype or node name, a type changed, a key
 dropped or added, a list shortened or lengthened), in every metadata document:
 the marker, the root ``zarr.json``, array and group ``zarr.json``, and a rank's
-manifest before the commit. Two modes:
+manifest before the commit; in the packed form also the references file (its
+inline documents and shard locations) and a rank's manifest and tensor records
+inside the trailer of its data object. Two modes:
 
 * ``raw``: the edit alone (corruption, or a hand edit). Open, read, commit must
   refuse it (ReshardError naming the file or tensor) or return the saved data
@@ -31,6 +33,7 @@ from typing import Any
 import pytest
 import reshard.store as rs
 from harness import RANKS, Backend, Tally, attempt, make_state, read_back, rng_for, same, save, trials
+from reshard.store.format.refs import REFS_KEY, trailer, trailer_lengths
 from reshard.store.format.schema import with_digest
 from reshard.store.verify import verify
 
@@ -94,55 +97,109 @@ def _marker(backend: Backend) -> dict[str, Any]:
     return json.loads(backend.read(".reshard/commit.json"))
 
 
-def _fix_marker(backend: Backend, marker: dict[str, Any], root_raw: bytes | None = None) -> None:
-    """Rewrite the marker with its digests recomputed (the ``consistent`` mode)."""
-    if root_raw is not None:
-        marker["metadata_sha256"] = hashlib.sha256(root_raw).hexdigest()
+def _fix_marker(backend: Backend, marker: dict[str, Any], key: str | None = None) -> None:
+    """Rewrite the marker with the digest of the document at ``key`` recomputed (the ``consistent`` mode)."""
+    path = key.partition("#")[0] if key is not None else ""
+    if path.endswith("/zarr.json"):
+        marker["metadata_sha256"] = hashlib.sha256(backend.read(path)).hexdigest()
+    elif path.endswith(f"/{REFS_KEY}"):
+        marker["references_sha256"] = hashlib.sha256(backend.read(path)).hexdigest()
     marker.pop("sha256", None)
     backend.write(".reshard/commit.json", with_digest(marker))
 
 
-def _node_keys(backend: Backend, gen: str, node: str) -> list[str]:
+def _node_keys(backend: Backend, gen: str, node: str, form: str) -> list[str]:
+    """Array or group documents: files (directory form), or ``refs.json#<key>`` inline in the references."""
     root = json.loads(backend.read(f"{gen}/zarr.json"))
     docs = root["consolidated_metadata"]["metadata"]
-    return [f"{gen}/{p}/zarr.json" for p, d in sorted(docs.items()) if d["node_type"] == node]
+    where = f"{gen}/{REFS_KEY}#" if form == "packed" else f"{gen}/"
+    return [f"{where}{p}/zarr.json" for p, d in sorted(docs.items()) if d["node_type"] == node]
+
+
+def _trailer(path: str, raw: bytes) -> dict[str, bytes]:
+    """A packed data object's parts: its shards (``body``), tensor ``records`` and ``manifest``."""
+    footer, n_records, n_manifest = trailer_lengths(path, raw)
+    manifest = len(raw) - footer - n_manifest
+    return {"body": raw[: manifest - n_records], "records": raw[manifest - n_records : manifest],
+            "manifest": raw[manifest : len(raw) - footer]}
+
+
+def read_doc(backend: Backend, key: str) -> bytes:
+    """A document: a file, or ``<file>#<part>`` inside one (an inline document of refs.json, a trailer's part)."""
+    path, _, part = key.partition("#")
+    raw = backend.read(path)
+    if not part:
+        return raw
+    if path.endswith(REFS_KEY):
+        return str(json.loads(raw)["refs"][part]).encode()
+    return _trailer(path, raw)[part]
+
+
+def write_doc(backend: Backend, key: str, doc: bytes) -> None:
+    """Replace a document read by :func:`read_doc` (the rest of its file unchanged)."""
+    path, _, part = key.partition("#")
+    if not part:
+        backend.write(path, doc)
+    elif path.endswith(REFS_KEY):
+        refs = json.loads(backend.read(path))
+        refs["refs"][part] = doc.decode()
+        backend.write(path, json.dumps(refs).encode())
+    else:
+        parts = {**_trailer(path, backend.read(path)), part: doc}
+        backend.write(path, parts["body"] + trailer(parts["manifest"], parts["records"]))
+
+
+def _manifest_keys(gen: str, form: str) -> list[str]:
+    if form == "packed":
+        return [f"{gen}/packed/{r}.bin#manifest" for r in range(RANKS)]
+    return [f"{gen}/.reshard/ranks/{r}.json" for r in range(RANKS)]
 
 
 CASES = [("marker", "raw"), ("marker", "consistent"), ("root-json", "raw"), ("root-json", "consistent"),
-         ("array-json", "raw"), ("group-json", "raw"), ("manifest", "raw")]
+         ("array-json", "raw"), ("group-json", "raw"), ("manifest", "raw"), ("references", "raw"),
+         ("references", "consistent"), ("records", "raw")]
+#: Documents only the packed form has.
+PACKED_ONLY = {"references", "records"}
+#: Documents reshard's reader does not read (it reads the consolidated root; the packed form locates shards
+#: through the ranks' manifests), which zarr-python, TensorStore or fsspec do, or (tensor records) that a
+#: committer takes from its cache of the same sha256: an edit there must be reported by ``verify``.
+NOT_READ = {"array-json", "group-json", "references", "records"}
 
 
 @pytest.mark.parametrize(("doc", "mode"), CASES, ids=[f"{d}-{m}" for d, m in CASES])
 def test_fuzzed_metadata_is_refused_or_reads_exactly(backend: Backend, form: str, doc: str, mode: str) -> None:
     if backend.name == "s3" and not trials(ci=0, soak=1):
         pytest.skip("fuzzing parses documents the same on every backend; S3 (slow on moto) only with RESHARD_SOAK=1")
-    if form == "packed":
-        pytest.skip("the packed form keeps its zarr documents inline in refs.json (digest in the marker, covered by "
-                    "test_corrupt); fuzzing them inside the references is not written yet")
+    if doc in PACKED_ONLY and form != "packed":
+        pytest.skip(f"the {form} form has no {doc} document")
     rng = rng_for("fuzz", backend.name, form, doc, mode)
     tally = Tally(f"fuzz[{backend.name}-{form}-{doc}-{mode}]")
     state = make_state(rng)
-    committed = doc != "manifest"
+    committed = doc not in ("manifest", "records")
     save(state, backend, form, "base", commit=committed)
     gen = _marker(backend)["generation"] if committed else "gen-base"
     keys = {"marker": [".reshard/commit.json"], "root-json": [f"{gen}/zarr.json"],
-            "manifest": [f"{gen}/.reshard/ranks/{r}.json" for r in range(RANKS)]}
+            "manifest": _manifest_keys(gen, form), "references": [f"{gen}/{REFS_KEY}"],
+            "records": [f"{gen}/packed/{r}.bin#records" for r in range(RANKS)]}
     if committed:
-        keys.update({"array-json": _node_keys(backend, gen, "array"), "group-json": _node_keys(backend, gen, "group")})
-    originals = {k: backend.read(k) for k in [*keys[doc], ".reshard/commit.json"] if committed or k in keys[doc]}
+        keys.update({"array-json": _node_keys(backend, gen, "array", form),
+                     "group-json": _node_keys(backend, gen, "group", form)})
+    files = {k.partition("#")[0] for k in keys[doc]} | ({".reshard/commit.json"} if committed else set())
+    originals = {k: backend.read(k) for k in files}
     for i in range(trials(ci=12, soak=20 if backend.name == "s3" else 150)):
         key = rng.choice(keys[doc])
-        edited, what = mutate(json.loads(originals[key]), rng)
+        original = json.loads(read_doc(backend, key))
+        edited, what = mutate(original, rng)
         case = f"case {i}: {key}: {what}"
         raw = json.dumps(edited).encode()
         try:
             if doc == "marker" and mode == "consistent":
                 _fix_marker(backend, edited)
             else:
-                backend.write(key, raw)
+                write_doc(backend, key, raw)
                 if mode == "consistent":
-                    _fix_marker(backend, json.loads(originals[".reshard/commit.json"]), raw)
-            if doc == "manifest":
+                    _fix_marker(backend, json.loads(originals[".reshard/commit.json"]), key)
+            if not committed:
                 outcome, got = attempt(lambda: rs.commit(backend.url, save_id="base", ranks=list(range(RANKS)),
                                                          storage_options=backend.storage_options))
                 if outcome == "ok":
@@ -154,8 +211,8 @@ def test_fuzzed_metadata_is_refused_or_reads_exactly(backend: Backend, form: str
             elif outcome == "refused":
                 named = backend.url in str(got) or "tensor" in str(got)
                 tally.add("refused" if named else "unnamed", doc, None if named else f"{case}: {got}")
-            elif same(got, state) and doc in ("array-json", "group-json") and edited != json.loads(originals[key]):
-                # reshard reads the consolidated copy; zarr-python and TensorStore read this file: verify must see it
+            elif same(got, state) and doc in NOT_READ and edited != original:
+                # reshard does not read it; zarr-python, TensorStore or fsspec do: verify must see it
                 report = verify(backend.url, storage_options=backend.storage_options)
                 tally.add("correct; verify reports it" if not report.ok else "silent", doc,
                           None if not report.ok else f"{case}: verify says OK")
@@ -172,8 +229,9 @@ def test_fuzzed_metadata_is_refused_or_reads_exactly(backend: Backend, form: str
         finally:
             for k, v in originals.items():
                 backend.write(k, v)
-            if doc == "manifest":  # undo a commit the case made (nothing else is at this URL)
-                for k in (".reshard/commit.json", f"{gen}/zarr.json", f"{gen}/.reshard/commit.lock"):
+            if not committed:  # undo a commit the case made (nothing else is at this URL)
+                made = ("zarr.json", REFS_KEY, ".reshard/commit.lock")
+                for k in (".reshard/commit.json", *(f"{gen}/{m}" for m in made)):
                     with contextlib.suppress(FileNotFoundError):
                         backend.delete(k)
     tally.check()
