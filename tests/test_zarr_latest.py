@@ -25,7 +25,7 @@ RNG = np.random.default_rng(32)
 
 
 def _save_by_ranks(url: Path, arrays: dict[str, np.ndarray], layouts: dict[str, Layout], **options: object) -> str:
-    writer = rs.create(str(url), layouts, **options)
+    writer = rs.create(str(url), layouts, form="directory", **options)  # plain zarr opens the folder
     for r in sorted(set().union(*(lay.ranks for lay in layouts.values()))):
         writer.write(r, {n: a[layouts[n].region(r)] for n, a in arrays.items() if r in layouts[n].ranks})
     writer.commit()
