@@ -9,11 +9,11 @@ Arguments: ``workload``, ``cfg``, ``url``, ``ranks``, ``form``, ``storage_option
 from __future__ import annotations
 
 import shutil
-import time
 from typing import Any
 
 from bench import data
 from bench.harness import Ctx, Task
+from bench.tasks_reshard import wait_written
 
 
 class SaveRanks(Task):
@@ -45,9 +45,7 @@ class SaveRanks(Task):
             writer.write(r, self.local[r])
         assert writer is not None
         if self.ctx.rank == 0:  # the barrier a training job has anyway: wait for each process's last rank
-            for r in self.lasts:
-                while not writer._has_written(r):
-                    time.sleep(0.05)  # a poll every 50 ms: each is a GET
+            wait_written(writer, self.lasts, poll=0.05)  # a poll every 50 ms: each is a GET
             writer.commit()
         return writer.storage.stats.as_dict()
 

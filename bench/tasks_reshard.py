@@ -31,6 +31,18 @@ def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def wait_written(writer: Any, ranks: list[int], poll: float, timeout: float = 600) -> None:
+    """Block until every rank of ``ranks`` has written its manifest to ``writer``'s save (a GET per poll)."""
+    from reshard.store.protocol import has_written
+
+    deadline = time.monotonic() + timeout
+    for r in ranks:
+        while not has_written(writer.storage, r, writer.form):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {r} did not write {writer.root.url} within {timeout:.0f} s")
+            time.sleep(poll)
+
+
 class Save(Task):
     """Each rank ``create(url, layouts).write(rank, local)``; rank 0 commits once all wrote."""
 
@@ -54,14 +66,7 @@ class Save(Task):
         writer = self.rs.create(self.url, self.layouts, **options)
         writer.write(self.ctx.rank, self.local)
         if self.ctx.rank == 0:  # the barrier a training job has anyway: wait for the manifests
-            from reshard.store.protocol import has_written
-
-            deadline = time.monotonic() + 600
-            for r in self.ranks:
-                while not has_written(writer.storage, r, writer.form):
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"rank {r} did not write {self.url} within 600 s")
-                    time.sleep(0.001)
+            wait_written(writer, self.ranks, poll=0.001)
             writer.commit()
         return writer.storage.stats.as_dict()
 
