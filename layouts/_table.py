@@ -17,6 +17,7 @@ chunk index in the optimizer group.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import defaultdict
 from dataclasses import dataclass
@@ -108,17 +109,23 @@ def mesh_info(
 
 def _dim_intervals(size: int, axes: tuple[int, ...], layout: Layout) -> tuple[tuple[int, int], ...]:
     """Interval of every piece index of one dim (index = row-major over `axes`)."""
-    sizes = [layout.mesh[a] for a in axes]
-    if not layout.nested or len(axes) <= 1:
+    sizes = tuple(layout.mesh[a] for a in axes)
+    return _intervals(size, sizes, layout.split, layout.nested and len(axes) > 1)
+
+
+@functools.lru_cache(maxsize=4096)
+def _intervals(size: int, sizes: tuple[int, ...], split: str, nested: bool) -> tuple[tuple[int, int], ...]:
+    """:func:`_dim_intervals` by value (a model's tensors share a few dim sizes: computed once each)."""
+    if not nested:
         k = 1
         for s in sizes:
             k *= s
-        return tuple(piece(size, k, i, layout.split) for i in range(k))
+        return tuple(piece(size, k, i, split) for i in range(k))
     out = []
     for combo in itertools.product(*(range(s) for s in sizes)):
         lo, hi = 0, size
         for k, i in zip(sizes, combo, strict=True):
-            s, e = piece(hi - lo, k, i, layout.split)
+            s, e = piece(hi - lo, k, i, split)
             lo, hi = lo + s, lo + e
         out.append((lo, hi))
     return tuple(out)

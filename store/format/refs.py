@@ -113,10 +113,8 @@ def build(documents: Mapping[str, bytes], shards: Mapping[str, Location]) -> byt
         ``{shard key: (object key relative to the root, offset, length)}``.
     """
     refs: dict[str, Any] = {k: v.decode() for k, v in documents.items()}
-    for key in sorted(shards):
-        obj, offset, length = shards[key]
-        url = _PARENT + obj[3:] if obj.startswith("../") else _PREFIX + obj
-        refs[key] = [url, int(offset), int(length)]
+    urls = {obj: _PARENT + obj[3:] if obj.startswith("../") else _PREFIX + obj for obj, _, _ in shards.values()}
+    refs.update((key, [urls[obj], int(offset), int(length)]) for key, (obj, offset, length) in sorted(shards.items()))
     return json.dumps({"version": 1, "templates": templates_for(shards), "refs": refs}, separators=(",", ":")).encode()
 
 
