@@ -385,7 +385,8 @@ def check_reused(root: Storage, generation: str, located: dict[str, tuple[str, i
         If one is gone (its save was deleted by retention or ``gc`` meanwhile).
     """
     reused = sorted({obj for obj, _, _ in located.values() if not obj.startswith(f"{generation}/")})
-    gone = [obj for obj in reused if not root.exists(obj)]
+    found = pool.run_all([functools.partial(root.has, obj) for obj in reused], root.local)  # GETs, no listing
+    gone = [obj for obj, there in zip(reused, found, strict=True) if not there]
     if gone:
         raise CheckpointNotFoundError(f"{root.url}: this incremental save references {len(gone)} object(s) of its "
                                       f"base that are gone (e.g. {gone[0]!r}; deleted meanwhile?); save it again "
@@ -458,13 +459,7 @@ def has_written(gen: Storage, rank: int, form: str | None = None) -> bool:
     """
     if form != "packed" and gen.read_if_exists(manifest_key(rank)) is not None:
         return True
-    if form == "directory":
-        return False
-    try:
-        gen.read_tail(rank_object(rank), 1)
-    except FileNotFoundError:
-        return False
-    return True
+    return form != "directory" and gen.has(rank_object(rank))
 
 
 def _own(doc: dict[str, Any], rank: int, where: str) -> dict[str, Any]:

@@ -126,6 +126,25 @@ def test_a_256_rank_save_on_s3_sends_no_list_request(s3_proxy, s3_bucket):
     np.testing.assert_array_equal(mgr.open()["w"].read()[::2, 0], np.arange(world))
 
 
+def test_an_incremental_step_on_s3_sends_no_list_request(s3_proxy, s3_bucket):
+    """The commit checks the base's objects it reuses still exist with a GET each, never a listing."""
+    world = 32
+    lay = {"w": Layout.from_dtensor((world,), ["S(0)"], (2 * world, 4)),
+           "frozen": Layout.from_dtensor((world,), ["S(0)"], (world, 64))}
+    mgr = rs.CheckpointManager(f"s3://{s3_bucket}/run", lay, incremental=True,
+                               storage_options=s3_proxy.storage_options())
+    frozen = np.arange(world * 64, dtype=np.float32).reshape(world, 64)
+    for step in (1, 2):
+        s3_proxy.reset_counters()
+        for r in range(world):
+            mgr.save(step, r, {"w": np.full((2, 4), step, np.float32), "frozen": frozen[r : r + 1]})
+        mgr.wait(committed=True, timeout=300)
+        assert _lists(s3_proxy) == 0, step
+    mgr.close()
+    np.testing.assert_array_equal(mgr.open(2)["frozen"].read(), frozen)
+    np.testing.assert_array_equal(mgr.open(2)["w"].read(), np.full((2 * world, 4), 2, np.float32))
+
+
 def test_retention_on_s3_lists_only_the_step_it_deletes(s3_proxy, s3_bucket):
     lay = {"w": Layout.from_dtensor((8,), ["S(0)"], (16, 4))}
     mgr = rs.CheckpointManager(f"s3://{s3_bucket}/run", lay, max_to_keep=1, storage_options=s3_proxy.storage_options())

@@ -210,6 +210,14 @@ class Storage:
         """Whether an object or a prefix exists (on S3 a HEAD and a LIST: decide with :meth:`read_if_exists`)."""
         return bool(self._call(key, lambda: self.fs.exists(self.path(key))))
 
+    def has(self, key: str) -> bool:
+        """Whether object ``key`` exists: a GET of its last byte, never a HEAD + LIST (:meth:`exists` on S3)."""
+        try:
+            self.read_tail(key, 1)
+        except FileNotFoundError:
+            return False
+        return True
+
     def list(self, prefix: str) -> list[str]:
         """Keys directly under ``prefix``; empty if there are none (a missing bucket or a failed listing raises)."""
         try:
