@@ -243,6 +243,8 @@ def test_packed_on_s3_rank_processes_plain_zarr_and_gets(s3_proxy, s3_bucket):
     assert len(s3_proxy.records(method="GET")) <= 2 + 2 * 1
     group = plain_zarr_group(url, opts)
     np.testing.assert_array_equal(group["emb"][...], full["emb"])
+    same = zarr.open_group(ckpt.zarr_store(), mode="r")  # the recipe, from the checkpoint
+    np.testing.assert_array_equal(same["model/w"][...], full["model.w"])
 
 
 # ------------------------------------------------------------------ convert
