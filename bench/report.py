@@ -117,9 +117,9 @@ def targets(rows: list[Row]) -> list[tuple[str, str, bool | None]]:
         if r.workload.startswith("GPT-2") and r.system == "reshard" and r.m.ok:
             objects, shards = r.m.extra.get("objects"), r.m.extra.get("shard_objects")
             if objects is not None:
-                out.append((f"{r.workload} balanced save: objects <= 8 + 8", f"{objects} ({shards} shards)",
+                out.append((f"{r.workload} balanced save: objects <= 8 + 8", f"{objects} ({shards} data)",
                             objects <= 16))
-                out.append((f"{r.workload} balanced save: one shard object per rank", str(shards), shards == 8))
+                out.append((f"{r.workload} balanced save: one data object per rank", str(shards), shards == 8))
             ratio(r.workload, r.phase, "reshard", "reshard ceil", "balanced / ceil split save time <= 1.5",
                   lambda x: x <= 1.5)
         if r.phase == "open + inspect metadata" and r.system == "reshard" and r.m.ok:

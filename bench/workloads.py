@@ -266,8 +266,10 @@ class Runner:
                            warmup=0 if reps else None)
             files = files_under(url)
             m.extra["objects"] = len(files)
-            m.extra["shard_objects"] = sum(f"{os.sep}wte{os.sep}c{os.sep}" in f for f in files)
-            self.rows[-1].note += f"; {len(files)} objects, {m.extra['shard_objects']} of them shards"
+            # data objects: shard files (directory form) or rank objects (packed form, the default)
+            m.extra["shard_objects"] = sum(f"{os.sep}wte{os.sep}c{os.sep}" in f or f"{os.sep}packed{os.sep}" in f
+                                           for f in files)
+            self.rows[-1].note += f"; {len(files)} objects, {m.extra['shard_objects']} of them data"
             shutil.rmtree(url, ignore_errors=True)
 
     # --------------------------------------------------------------- async
