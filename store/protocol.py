@@ -454,10 +454,10 @@ def read_manifest(storage: Storage, rank: int, form: str | None = None, *, tenso
 def has_written(gen: Storage, rank: int, form: str | None = None) -> bool:
     """Whether ``rank`` left its manifest in generation ``gen`` (a stale one counts).
 
-    A small GET per form tried (``None``: both), never a listing or a HEAD
+    A one-byte GET per form tried (``None``: both), never a listing or a HEAD
     (on S3 ``exists`` is a HEAD and a LIST: a storm at a thousand ranks).
     """
-    if form != "packed" and gen.read_if_exists(manifest_key(rank)) is not None:
+    if form != "packed" and gen.has(manifest_key(rank)):
         return True
     return form != "directory" and gen.has(rank_object(rank))
 

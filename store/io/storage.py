@@ -207,7 +207,7 @@ class Storage:
             return None
 
     def exists(self, key: str) -> bool:
-        """Whether an object or a prefix exists (on S3 a HEAD and a LIST: decide with :meth:`read_if_exists`)."""
+        """Whether an object or a prefix exists (on S3 a HEAD and a LIST: decide objects with :meth:`has`)."""
         return bool(self._call(key, lambda: self.fs.exists(self.path(key))))
 
     def has(self, key: str) -> bool:
