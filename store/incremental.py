@@ -31,7 +31,8 @@ from reshard.layouts.errors import FormatError, UncommittedCheckpointError
 
 from .format.refs import Location
 from .io.storage import Storage
-from .protocol import Marker, generation_storage, read_manifest, read_manifests, read_marker
+from .manifests import read_manifest, read_manifests
+from .protocol import Marker, generation_storage, read_marker
 
 #: The shard hash, named in every recorded value.
 HASH = "xxh3_128"

@@ -32,7 +32,8 @@ from .format.refs import REFS_KEY, Location
 from .io import pool
 from .io.packed import Spans
 from .io.storage import IOStats, Storage
-from .protocol import TAIL_GUESS, Marker, metadata_digest, read_manifest
+from .manifests import TAIL_GUESS, read_manifest
+from .protocol import Marker, metadata_digest
 
 #: One shard to locate: its tensor's record, grid index and key.
 Shard = tuple[ArrayMeta, tuple[int, ...], str]

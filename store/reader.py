@@ -31,18 +31,8 @@ from .format.meta import COMMIT_KEY, META_DIR, ArrayMeta
 from .io.storage import IOStats, Storage
 from .lazy import LazyTensor, Region
 from .locate import ByRanks, ByReferences, Locator, read_references
-from .protocol import (
-    GENERATION_PREFIX,
-    Marker,
-    generation_of,
-    generation_storage,
-    merge_manifests,
-    metadata_digest,
-    present_ranks,
-    read_manifest,
-    read_manifests,
-    read_marker,
-)
+from .manifests import merge_manifests, present_ranks, read_manifest, read_manifests
+from .protocol import GENERATION_PREFIX, Marker, generation_of, generation_storage, metadata_digest, read_marker
 from .tree import LayoutSpec, flatten, resolve_layout, suggest, unflatten
 
 if TYPE_CHECKING:

@@ -34,7 +34,8 @@ from .format.refs import REFS_KEY, References, templates_for
 from .format.schema import check_group, check_root, loads_json
 from .io.storage import Storage
 from .locate import read_references
-from .protocol import Marker, generation_storage, merge_manifests, merge_packed, read_manifest, read_marker
+from .manifests import merge_manifests, merge_packed, read_manifest
+from .protocol import Marker, generation_storage, read_marker
 from .reader import Checkpoint, open, parse_metadata
 from .reader import _file_not_checkpoint as file_not_checkpoint
 

@@ -53,7 +53,8 @@ from .format.shard import SMALL_SHARD_BYTES, encode_shard
 from .incremental import Base, Reusable, digest
 from .io import packed, pool
 from .io.storage import Storage
-from .protocol import Marker, commit, generation_of, has_written, manifest_key, read_marker, save_id_of
+from .manifests import has_written, manifest_key
+from .protocol import Marker, commit, generation_of, read_marker, save_id_of
 from .tree import LayoutSpec, flatten, resolve_layout
 
 #: Block writers (importers, redivide), packed form: bytes held before they go out as one data object.

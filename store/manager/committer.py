@@ -29,7 +29,8 @@ from reshard.layouts.errors import UncommittedCheckpointError
 
 from ..format.meta import COMMIT_KEY
 from ..io.storage import Storage
-from ..protocol import commit, describe_missing, generation_of, has_written, read_manifest, read_marker
+from ..manifests import describe_missing, has_written, read_manifest
+from ..protocol import commit, generation_of, read_marker
 from .index import Index, StepRecord, read_index, step_dir, step_of, write_index
 from .retention import Retention, delete_steps, plan, referenced, referenced_steps
 

@@ -31,7 +31,7 @@ import numpy as np
 from reshard.layouts.errors import CheckpointNotFoundError, UncommittedCheckpointError
 
 from ..io.storage import Storage
-from ..protocol import read_manifest
+from ..manifests import read_manifest
 from ..reader import Checkpoint
 from ..reader import open as open_checkpoint
 from ..tree import LayoutSpec, flatten, resolve_layout, to_json

@@ -1,0 +1,264 @@
+"""What each rank writes at the end of its save, and how a committer or reader gets it back.
+
+A rank's **manifest** lists the tensors it holds (their dtype, layout, shard grid: the
+*tensor records*), its leaves, the ranks the save expects and, in the packed form, where
+each of its shards went. Directory form: ``<generation>/.reshard/ranks/<rank>.json``.
+Packed form: the trailer at the end of the rank's data object ``packed/<rank>.bin``
+(:func:`reshard.store.format.refs.trailer`). This module reads them by key (never by
+listing, except for diagnostics), checks them, and merges them into each tensor's
+array record; :mod:`reshard.store.protocol` commits what it merges.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+import threading
+from typing import Any
+
+from reshard.layouts import Layout
+from reshard.layouts.errors import DTypeMismatchError, FormatError, UncommittedCheckpointError
+
+from .format.grid import Grid, allowed_grids, choose_grid
+from .format.meta import META_DIR, ArrayMeta
+from .format.refs import PACKED_DIR, rank_object, trailer_lengths
+from .format.schema import check_manifest, check_names, check_tensors, loads_json
+from .io import pool
+from .io.storage import Storage
+
+
+def manifest_key(rank: int) -> str:
+    """Key of a rank's manifest, relative to its generation."""
+    return f"{META_DIR}/ranks/{rank}.json"
+
+
+def read_manifests(storage: Storage, save_id: str | None = None,
+                   expected: list[int] | None = None, form: str | None = None) -> dict[int, dict[str, Any]]:
+    """Read every expected rank's manifest, by key (``form``: see :func:`read_manifest`).
+
+    ``expected`` defaults to the rank set recorded in any manifest found by listing.
+    """
+    if expected is None:
+        present = present_ranks(storage)
+        if not present:
+            raise UncommittedCheckpointError(f"{storage.url}: no rank has written anything yet")
+        expected = read_manifest(storage, present[0], form)["expected_ranks"]
+    manifests: dict[int, dict[str, Any]] = {}
+
+    def load(r: int) -> None:
+        try:
+            m = read_manifest(storage, r, form)
+        except FileNotFoundError:
+            return
+        if save_id is not None and m.get("save_id") != save_id:
+            return  # a stale manifest of an earlier save
+        manifests[r] = m
+
+    pool.run_all([functools.partial(load, r) for r in expected], storage.local)
+    missing = sorted(set(expected) - set(manifests))
+    if missing:
+        raise UncommittedCheckpointError(describe_missing(storage.url, missing, manifests))
+    return manifests
+
+
+def read_manifest(storage: Storage, rank: int, form: str | None = None, *, tensors: bool = True,
+                  tail: bytes | None = None, fresh: bool = False) -> dict[str, Any]:
+    """One rank's manifest, checked (:func:`reshard.store.format.schema.check_manifest`).
+
+    Directory form: ``.reshard/ranks/<rank>.json``. Packed form: the end of the
+    rank's data object ``packed/<rank>.bin`` (one ranged GET; two for a manifest
+    over 256 KiB). ``form=None`` tries the JSON object first, then the data object.
+    ``tensors=False``: a packed manifest without its tensor records (a reader
+    that wants shard locations only; see :func:`reshard.store.format.refs.trailer`).
+    ``tail``: the data object's last bytes, already read (:data:`TAIL_GUESS` of them, or all of a smaller one).
+    ``fresh``: read and check the tensor records even when an identical document was read before (``verify``).
+
+    Raises
+    ------
+    FileNotFoundError
+        The rank has not written (in the given form).
+    """
+    if form == "packed":
+        return _read_packed_manifest(storage, rank, tensors, tail, fresh)
+    where = f"{storage.url}/{manifest_key(rank)}"
+    try:
+        raw = storage.read(manifest_key(rank))
+    except FileNotFoundError:
+        if form == "directory":
+            raise
+        return _read_packed_manifest(storage, rank, tensors, tail, fresh)
+    return _own(check_manifest(loads_json(where, raw), where), rank, where)
+
+
+def has_written(gen: Storage, rank: int, form: str | None = None) -> bool:
+    """Whether ``rank`` left its manifest in generation ``gen`` (a stale one counts).
+
+    A one-byte GET per form tried (``None``: both), never a listing or a HEAD
+    (on S3 ``exists`` is a HEAD and a LIST: a storm at a thousand ranks).
+    """
+    if form != "packed" and gen.has(manifest_key(rank)):
+        return True
+    return form != "directory" and gen.has(rank_object(rank))
+
+
+def _own(doc: dict[str, Any], rank: int, where: str) -> dict[str, Any]:
+    if doc["rank"] != rank:
+        raise FormatError(f"{where}: the manifest says it is rank {doc['rank']}'s")
+    return doc
+
+
+#: Tensor records already read and checked, by sha256 (the ranks of a save share one; a few saves' worth).
+_RECORDS: dict[str, dict[str, Any]] = {}
+_RECORDS_KEPT = 8
+_RECORDS_LOCK = threading.Lock()
+
+
+#: Bytes of a data object's end read to find its manifest: one request for most manifests.
+TAIL_GUESS = 256 << 10
+
+
+def _read_packed_manifest(storage: Storage, rank: int, tensors: bool, tail: bytes | None,
+                          fresh: bool) -> dict[str, Any]:
+    """A manifest from the trailer of ``packed/<rank>.bin``: one ranged GET for most (more for big ones)."""
+    key = rank_object(rank)
+    where = f"{storage.url}/{key}"
+    if tail is None:
+        tail = storage.read_tail(key, TAIL_GUESS)
+    footer, n_records, n_manifest = trailer_lengths(where, tail)
+    need = footer + n_manifest
+    if need > len(tail):
+        tail = storage.read_tail(key, need + n_records if tensors else need)
+        if len(tail) < need:
+            raise FormatError(f"{where}: the manifest at its end is longer than the object")
+    doc = _own(check_manifest(loads_json(where, tail[len(tail) - need : len(tail) - footer]), where), rank, where)
+    sha = doc.get("tensors_sha256")
+    if not tensors or sha is None:
+        return doc
+    records = None if fresh else _RECORDS.get(sha)
+    if records is None:
+        need += n_records
+        if need > len(tail):
+            tail = storage.read_tail(key, need)
+        raw = tail[len(tail) - need : len(tail) - need + n_records]
+        if len(tail) < need or hashlib.sha256(raw).hexdigest() != sha:
+            raise FormatError(f"{where}: the tensor records do not match the sha256 the manifest names: the data "
+                              "object was truncated, edited or corrupted")
+        records = check_tensors(loads_json(where, raw), where)
+        with _RECORDS_LOCK:
+            while len(_RECORDS) >= _RECORDS_KEPT:
+                del _RECORDS[next(iter(_RECORDS))]
+            _RECORDS[sha] = records
+    return {**doc, "tensors": records}
+
+
+def describe_missing(url: str, missing: list[int], manifests: dict[int, dict[str, Any]]) -> str:
+    """A message naming the ranks that did not write and the tensors they hold."""
+    lost: set[str] = set()
+    for m in manifests.values():
+        for name, t in m["tensors"].items():
+            layout = Layout.from_json(t["layout"])
+            if any(layout.replica_id(r) == 0 and math.prod(layout.local_shape(r)) > 0
+                   for r in missing if r in layout.ranks):
+                lost.add(name)
+    names = sorted(lost)
+    shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+    return (f"{url}: checkpoint is not committed: ranks {missing} have not written"
+            + (f"; tensors without their data: {shown}" if names else ""))
+
+
+def merge_manifests(url: str, manifests: dict[int, dict[str, Any]], *,
+                    conflicts: list[str] | None = None) -> tuple[dict[str, ArrayMeta], dict[str, Any]]:
+    """Check that the ranks agree and build each tensor's array record.
+
+    With a ``conflicts`` list, disagreements between ranks are described there
+    (the lowest rank's record is kept) instead of raised: forensics on a save
+    that could not commit.
+    """
+    metas: dict[str, ArrayMeta] = {}
+    seen: dict[str, tuple[int, dict[str, Any]]] = {}
+    leaves: dict[str, Any] = {}
+    for rank in sorted(manifests, reverse=True):  # the lowest rank's leaves win
+        leaves.update(manifests[rank]["leaves"])
+    merged: list[dict[str, Any]] = []  # records documents done (ranks that agree share one: see read_manifest)
+    for rank in sorted(manifests):
+        records = manifests[rank]["tensors"]
+        if any(records is done for done in merged):
+            continue
+        merged.append(records)
+        for name, t in records.items():
+            if name in seen:
+                other, t0 = seen[name]
+                if t0["dtype"] != t["dtype"]:
+                    text = f"tensor {name!r} is {t0['dtype']} on rank {other} but {t['dtype']} on rank {rank}"
+                    if conflicts is None:
+                        raise DTypeMismatchError(f"{url}: {text}")
+                    conflicts.append(text)
+                elif t0 != t:
+                    text = f"ranks {other} and {rank} disagree on the layout of {name!r}"
+                    if conflicts is None:
+                        raise FormatError(f"{url}: {text}")
+                    conflicts.append(text)
+                continue
+            seen[name] = (rank, t)
+            layout = Layout.from_json(t["layout"])
+            grid = _grid_of(url, name, layout, t.get("shard"), t.get("edges"))
+            metas[name] = ArrayMeta(name=name, shape=tuple(layout.shape), dtype=t["dtype"], shard=grid.shard,
+                                    chunk=tuple(t["chunk"]), layout=layout, checksums=t["checksums"],
+                                    compressor=t["compressor"], origin=layout.origin, edges=grid.edges)
+    check_names(metas, {n: m.path for n, m in metas.items()}, url)
+    return metas, leaves
+
+
+def _grid_of(url: str, name: str, layout: Layout, shard: Any, edges: Any) -> Grid:
+    """The shard grid a manifest records, checked to be one the layout allows (see
+    :func:`reshard.store.format.grid.choose_grid`); a manifest without one: the per-rank grid."""
+    allowed = allowed_grids(layout)
+    if shard is None:  # manifests written before grids were recorded: the gcd grid
+        return choose_grid(layout, "regular")
+    try:
+        want = (tuple(shard), None if edges is None else tuple(tuple(e) for e in edges))
+    except TypeError:
+        want = None
+    for grid in allowed:
+        if (grid.shard, grid.edges) == want:
+            return grid
+    raise FormatError(f"{url}: tensor {name!r}: manifest records shard shape {shard!r} (edges {edges!r}); "
+                      f"layout {layout.describe()} allows {sorted({str(g.edges or list(g.shard)) for g in allowed})}")
+
+
+def merge_packed(url: str, manifests: dict[int, dict[str, Any]],
+                 metas: dict[str, ArrayMeta]) -> dict[str, tuple[str, int, int]] | None:
+    """Where every shard's bytes are, from the manifests of a packed save; None for the directory form.
+
+    Raises
+    ------
+    FormatError
+        If some ranks wrote the packed form and others not, or a shard of a tensor has no bytes.
+    """
+    forms = {"packed" if "packed" in m else "directory" for m in manifests.values()}
+    if len(forms) > 1:
+        raise FormatError(f"{url}: the ranks wrote different storage forms (some packed, some directory)")
+    if forms != {"packed"}:
+        return None
+    located: dict[str, tuple[str, int, int]] = {}
+    for rank in sorted(manifests):
+        try:
+            for key, (obj, offset, length) in manifests[rank]["packed"].items():
+                if not isinstance(obj, str) or not isinstance(offset, int) or not isinstance(length, int):
+                    raise TypeError(key)
+                located[key] = (obj, offset, length)
+        except (AttributeError, TypeError, ValueError) as e:
+            raise FormatError(f"{url}: rank {rank}'s manifest has a malformed packed record ({e})") from None
+    for meta in metas.values():
+        for idx in meta.shards_in(tuple(slice(0, n) for n in meta.shape)):
+            if meta.shard_key(idx) not in located:
+                raise FormatError(f"{url}: tensor {meta.name!r}: no rank wrote shard {meta.shard_key(idx)!r}")
+    return located
+
+
+def present_ranks(storage: Storage) -> list[int]:
+    """The ranks whose manifests a generation holds, by listing (diagnostics and uncommitted saves only)."""
+    found = {int(n.split(".")[0]) for n in storage.list(f"{META_DIR}/ranks") if n.endswith(".json")}
+    found |= {int(n[:-4]) for n in storage.list(PACKED_DIR) if n.endswith(".bin") and n[:-4].isdigit()}
+    return sorted(found)
