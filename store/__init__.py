@@ -17,9 +17,10 @@ from .garbage import gc
 from .graph import LoadResult, load_many
 from .io.storage import IOStats
 from .manager import CheckpointManager
+from .opening import open
 from .ops import convert, redivide, save, save_pieces
 from .protocol import commit, unlock
-from .reader import Checkpoint, LazyTensor, open
+from .reader import Checkpoint, LazyTensor
 from .verify import VerifyReport, verify
 from .writer import CheckpointWriter, create
 

@@ -32,8 +32,8 @@ import numpy as np
 from reshard.layouts import Layout
 
 from .garbage import gc
+from .opening import open as open_checkpoint
 from .ops import redivide
-from .reader import open as open_checkpoint
 from .tree import unflatten
 from .writer import create
 

@@ -23,7 +23,8 @@ from .format.refs import DEFAULT_OBJECT_BYTES, PACKED_DIR, check_form
 from .format.shard import encode_shard
 from .io import packed, pool
 from .io.storage import IOStats, Storage
-from .reader import Checkpoint, open
+from .opening import open
+from .reader import Checkpoint
 from .tree import LayoutSpec, flatten, resolve_layout
 from .writer import CheckpointWriter, create, single_process
 

@@ -1,7 +1,8 @@
 """Reading a checkpoint: a lazy :class:`Checkpoint`, lazy tensors, explicit reads.
 
-``open`` reads the commit marker and the root ``zarr.json`` (which carries the
-consolidated metadata of every array): two small reads, no data. Indexing a
+:func:`reshard.store.opening.open` reads the commit marker and the root ``zarr.json``
+(which carries the consolidated metadata of every array): two small reads, no data,
+and makes the :class:`Checkpoint`. Indexing a
 tensor builds a lazy view; ``.read()``, ``np.asarray`` or ``load`` do the I/O,
 touching only the inner chunks that intersect what is asked for.
 """
@@ -15,24 +16,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from reshard.layouts import Layout
 from reshard.layouts.errors import (
-    CheckpointNotFoundError,
     CheckpointReplacedError,
     FormatError,
     ShapeMismatchError,
-    StorageError,
     TensorNotFoundError,
-    UncommittedCheckpointError,
 )
 
 from .fetch import Fetcher
-from .format import refs as references
-from .format.consolidated import RootMetadata
-from .format.meta import COMMIT_KEY, META_DIR, ArrayMeta
+from .format.meta import COMMIT_KEY, ArrayMeta
 from .io.storage import IOStats, Storage
 from .lazy import LazyTensor, Region
-from .locate import ByRanks, ByReferences, Locator, read_references
-from .manifests import merge_manifests, present_ranks, read_manifest, read_manifests
-from .protocol import GENERATION_PREFIX, Marker, generation_of, generation_storage, metadata_digest, read_marker
+from .locate import Locator
 from .tree import LayoutSpec, flatten, resolve_layout, suggest, unflatten
 
 if TYPE_CHECKING:
@@ -356,155 +350,6 @@ def allocate(specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> list[np.ndar
     buf = np.empty(total, dtype=np.uint8)
     return [buf[at : at + n].view(dtype).reshape(shape)
             for at, n, (shape, dtype) in zip(starts, sizes, specs, strict=True)]
-
-
-def open(url: str, *, allow_uncommitted: bool = False, storage_options: dict[str, Any] | None = None,
-         engine: str = "fast", gap: int | None = None, retries: int = 5, save_id: Any = None,
-         check_current: bool = True) -> Checkpoint:
-    """Open a checkpoint lazily: the commit marker and one metadata document, no data.
-
-    Parameters
-    ----------
-    url : str
-        Local path or fsspec URL of the checkpoint.
-    allow_uncommitted : bool
-        Open a save whose commit marker is missing, from the ranks' manifests
-        (forensics: what did get written?). ``save_id`` picks the save when
-        several were attempted.
-    storage_options : dict, optional
-        fsspec options (credentials, endpoint...).
-    engine : {"fast", "tensorstore", "zarr"}
-        Which code reads chunks. All three read the same files.
-    gap : int, optional
-        Byte gap under which reads of one object are merged into one request:
-        the cost model (docs/performance.md). Default 64 KiB on local disk,
-        1 MiB on object stores.
-    retries : int
-        Retries of transiently failing remote requests.
-    save_id : str or int, optional
-        With ``allow_uncommitted``: the save to open.
-    check_current : bool
-        After each read, check (one small request) that the URL still holds the
-        save this view opened, else raise :class:`CheckpointReplacedError`.
-
-    Raises
-    ------
-    CheckpointNotFoundError
-        Nothing is stored at ``url``.
-    UncommittedCheckpointError
-        The checkpoint was never committed; the message names missing ranks.
-    FormatError
-        The marker or the metadata is malformed, or the metadata does not match
-        the digest its marker recorded (edited or corrupted).
-    """
-    if engine not in ("fast", "tensorstore", "zarr"):
-        raise ValueError(f"engine must be 'fast', 'tensorstore' or 'zarr', got {engine!r}")
-    root = Storage(url, storage_options, retries=retries)
-    try:
-        found = read_marker(root)
-    except StorageError as e:
-        if isinstance(e.__cause__, NotADirectoryError):
-            raise CheckpointNotFoundError(_file_not_checkpoint(url)) from None
-        raise
-    if found is None or allow_uncommitted:
-        return _open_uncommitted(root, allow_uncommitted, save_id, engine, gap)
-    marker, raw_marker = found
-    storage = generation_storage(root, marker)
-    locator: Locator | None = None
-    if marker.form == "packed" and marker.locations is None:  # older packed saves: the root document is in refs
-        refs = read_references(storage, marker)
-        arrays, leaves = parse_metadata(f"{storage.url}/zarr.json", refs.root, marker)
-        locator = ByReferences(storage, marker, refs)
-    else:
-        arrays, leaves = read_metadata(storage, marker)
-        if marker.locations == "ranks":
-            locator = ByRanks(storage, marker.save_id, marker.generation)
-        elif marker.form == "packed":
-            locator = ByReferences(storage, marker)
-    ckpt = Checkpoint(storage, arrays, leaves, committed=True, engine=engine, gap=gap, root=root, marker=raw_marker,
-                      locator=locator)
-    ckpt.check_replaced = check_current
-    ckpt.save_id = marker.save_id
-    return ckpt
-
-
-def _file_not_checkpoint(url: str) -> str:
-    hint = ("; 'reshard import safetensors FILE DST' converts it"
-            if str(url).endswith((".safetensors", ".json")) else "")
-    return f"{url} is a file, not a checkpoint (a reshard checkpoint is a folder or URL prefix){hint}"
-
-
-def read_metadata(storage: Storage, marker: Marker) -> tuple[dict[str, ArrayMeta], dict[str, Any]]:
-    """The arrays and leaves of a committed save, checked against its marker."""
-    where = f"{storage.url}/zarr.json"
-    try:
-        raw = storage.read("zarr.json")
-    except FileNotFoundError:
-        raise FormatError(f"{where} is missing: the committed save's metadata is gone") from None
-    return parse_metadata(where, raw, marker)
-
-
-def parse_metadata(where: str, raw: bytes, marker: Marker) -> tuple[dict[str, ArrayMeta], dict[str, Any]]:
-    """The arrays and leaves of a root ``zarr.json`` (``raw``), checked against its marker."""
-    if marker.metadata_sha256 is not None and metadata_digest(raw) != marker.metadata_sha256:
-        raise FormatError(f"{where} does not match the digest in its commit marker: the metadata was edited or "
-                          "corrupted after the commit")
-    parsed = RootMetadata(where, raw)
-    arrays = parsed.arrays()
-    if marker.format_version >= 2 and len(arrays) != marker.tensors:
-        raise FormatError(f"{where} describes {len(arrays)} tensors, its commit marker {marker.tensors}")
-    return arrays, parsed.leaves
-
-
-def _open_uncommitted(root: Storage, allow: bool, save_id: Any, engine: str, gap: int | None) -> Checkpoint:
-    """An uncommitted save: refused with what is missing, or opened from its manifests when allowed."""
-    if save_id is not None:
-        gen = root.child(generation_of(save_id))
-    else:
-        attempts = sorted(n for n in root.list("") if n.startswith(GENERATION_PREFIX))  # diagnostics only
-        legacy = root.exists(f"{META_DIR}/ranks")
-        found = read_marker(root)
-        if found is not None:  # allow_uncommitted on a committed URL: the newest other attempt, else the committed
-            attempts = [a for a in attempts if a != found[0].generation] or [found[0].generation]
-        if len(attempts) > 1:
-            raise UncommittedCheckpointError(
-                f"{root.url}: several saves were attempted ({', '.join(attempts)}); pass save_id to open one")
-        if attempts:
-            gen = root.child(attempts[0])
-        elif legacy:
-            gen = root  # format version 1: manifests at the root
-        else:
-            raise CheckpointNotFoundError(f"no checkpoint at {root.url}")
-    if not allow:
-        try:
-            read_manifests(gen)
-        except UncommittedCheckpointError as e:
-            if "no rank has written" in str(e):
-                raise CheckpointNotFoundError(f"no checkpoint at {root.url}") from None
-            raise UncommittedCheckpointError(str(e).replace(gen.url, root.url)) from None
-        raise UncommittedCheckpointError(
-            f"{root.url}: every rank has written but the checkpoint was never committed "
-            "(call commit(), or open with allow_uncommitted=True)")
-    conflicts: list[str] = []
-    arrays, leaves, locator = _from_manifests(gen, conflicts)
-    ckpt = Checkpoint(gen, arrays, leaves, committed=False, engine=engine, gap=gap, root=root, locator=locator)
-    ckpt.conflicts = conflicts
-    return ckpt
-
-
-def _from_manifests(storage: Storage, conflicts: list[str]
-                    ) -> tuple[dict[str, ArrayMeta], dict[str, Any], Locator | None]:
-    """Whatever the ranks that did write have described (missing ranks are skipped, disagreements listed)."""
-    try:
-        manifests = read_manifests(storage)
-    except UncommittedCheckpointError:
-        manifests = {r: read_manifest(storage, r) for r in present_ranks(storage)}
-    arrays, leaves = merge_manifests(storage.url, manifests, conflicts=conflicts)
-    located = {k: v for m in manifests.values() for k, v in (m.get("packed") or {}).items()}
-    if not any("packed" in m for m in manifests.values()):
-        return arrays, leaves, None
-    refs = references.parse(f"{storage.url}/{META_DIR}/ranks", references.build({"zarr.json": b"{}"}, located))
-    return arrays, leaves, ByReferences(storage, None, refs)
 
 
 def _human(n: float) -> str:

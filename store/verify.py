@@ -35,9 +35,10 @@ from .format.schema import check_group, check_root, loads_json
 from .io.storage import Storage
 from .locate import read_references
 from .manifests import merge_manifests, merge_packed, read_manifest
+from .opening import _file_not_checkpoint as file_not_checkpoint
+from .opening import open, parse_metadata
 from .protocol import Marker, generation_storage, read_marker
-from .reader import Checkpoint, open, parse_metadata
-from .reader import _file_not_checkpoint as file_not_checkpoint
+from .reader import Checkpoint
 
 #: Every kind of damage :func:`verify` reports (docs/cli.md describes each).
 KINDS = {

@@ -66,7 +66,7 @@ def parse_region(text: str) -> tuple[Any, ...]:
 
 def open_url(url: str, args: argparse.Namespace, **kw: Any) -> Any:
     """Open a checkpoint with the command's ``--storage-option`` values (a bad one is a usage error)."""
-    from ..reader import open as open_checkpoint
+    from ..opening import open as open_checkpoint
 
     try:
         opts = storage_options(args.storage_option)

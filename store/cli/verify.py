@@ -14,7 +14,7 @@ from .commands import emit, storage_options
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Exit 0 when sound, 1 on any damage; each line names its kind and the file or tensor."""
-    from ..reader import open as open_checkpoint
+    from ..opening import open as open_checkpoint
     from ..verify import verify
 
     try:

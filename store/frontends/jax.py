@@ -30,7 +30,8 @@ from reshard.layouts.errors import (
 )
 
 from ..format.meta import ArrayMeta
-from ..reader import Checkpoint, open
+from ..opening import open
+from ..reader import Checkpoint
 from ..tree import to_json, unflatten
 from ..writer import CheckpointWriter, create, single_process
 from .sources import local_path, refuse_empty

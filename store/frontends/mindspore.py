@@ -45,7 +45,8 @@ from reshard.layouts.errors import (
 )
 
 from ..format.dtypes import numpy_dtype
-from ..reader import Checkpoint, open
+from ..opening import open
+from ..reader import Checkpoint
 from ..tree import flatten
 from ..writer import create, single_process
 from .mindspore_ckpt import SLICE_BYTES, TYPES, Header, ckpt_headers, parse_ckpt, read_ckpt, write_ckpt

@@ -46,7 +46,8 @@ import numpy as np
 from reshard.layouts import Layout
 from reshard.layouts.errors import BadNameError, LayoutError
 
-from ..reader import Checkpoint, open
+from ..opening import open
+from ..reader import Checkpoint
 from ..tree import flatten, is_tensor, unflatten
 from ..writer import CheckpointWriter, create, single_process
 from .oneflow_npz import KeyPath, key_str, load_npz, save_npz, walk

@@ -38,8 +38,8 @@ from reshard.layouts.errors import BadNameError, CheckpointNotFoundError, DTypeM
 
 from ..export import SAFETENSORS_DTYPES
 from ..format.dtypes import numpy_dtype
+from ..opening import open as open_checkpoint
 from ..reader import Checkpoint
-from ..reader import open as open_checkpoint
 from ..tree import LayoutSpec, resolve_layout
 from ..writer import create, single_process
 from .sources import refuse_empty

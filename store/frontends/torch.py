@@ -27,7 +27,7 @@ from reshard.layouts import Layout
 from reshard.layouts.errors import TensorNotFoundError
 
 from ..io.storage import IOStats
-from ..reader import open
+from ..opening import open
 from ..tree import to_json
 from ..writer import create
 from .dcp import import_dcp, read_dcp_metadata

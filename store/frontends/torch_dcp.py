@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.storage import StorageWriter as _Writer
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ..reader import open
+from ..opening import open
 from ..tree import to_json
 from ..writer import create
 from .dcp import _regroup

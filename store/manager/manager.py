@@ -32,8 +32,8 @@ from reshard.layouts.errors import CheckpointNotFoundError, UncommittedCheckpoin
 
 from ..io.storage import Storage
 from ..manifests import read_manifest
+from ..opening import open as open_checkpoint
 from ..reader import Checkpoint
-from ..reader import open as open_checkpoint
 from ..tree import LayoutSpec, flatten, resolve_layout, to_json
 from ..writer import CheckpointWriter
 from .committer import Committer
