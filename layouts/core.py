@@ -214,7 +214,14 @@ class Layout:
         return self._boundaries[dim]
 
     @cached_property
+    def _whole(self) -> bool:
+        """One block, the whole tensor (no dim split, no optimizer sharding): the quick answers below."""
+        return self.explicit is None and self.opt_shard is None and not any(self.dims)
+
+    @cached_property
     def _boundaries(self) -> tuple[tuple[int, ...], ...]:
+        if self._whole:
+            return tuple((0, size) if size else (0,) for size in self.shape)
         out = [{0, size} for size in self.shape]
         pieces = self._pieces
         if pieces is not None:  # O(pieces per dim), not O(blocks): a 1024-rank layout is as quick as a 2-rank one
@@ -279,6 +286,8 @@ class Layout:
 
     @cached_property
     def _regular(self) -> bool:
+        if self._whole:
+            return True
         pieces = self._pieces
         if pieces is not None:  # the pieces of each dim tile it; regular iff they are a regular cut
             return not all(pieces) or all(

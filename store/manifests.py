@@ -15,6 +15,7 @@ import functools
 import hashlib
 import math
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from reshard.layouts import Layout
@@ -168,12 +169,15 @@ def describe_missing(url: str, missing: list[int], manifests: dict[int, dict[str
 
 
 def merge_manifests(url: str, manifests: dict[int, dict[str, Any]], *,
-                    conflicts: list[str] | None = None) -> tuple[dict[str, ArrayMeta], dict[str, Any]]:
+                    conflicts: list[str] | None = None,
+                    known: Mapping[str, tuple[dict[str, Any], ArrayMeta]] | None = None,
+                    ) -> tuple[dict[str, ArrayMeta], dict[str, Any]]:
     """Check that the ranks agree and build each tensor's array record.
 
     With a ``conflicts`` list, disagreements between ranks are described there
     (the lowest rank's record is kept) instead of raised: forensics on a save
-    that could not commit.
+    that could not commit. ``known``: ``{name: (manifest record, array record)}``
+    the caller built itself; a record equal to its one is taken as built, not parsed.
     """
     metas: dict[str, ArrayMeta] = {}
     seen: dict[str, tuple[int, dict[str, Any]]] = {}
@@ -201,6 +205,10 @@ def merge_manifests(url: str, manifests: dict[int, dict[str, Any]], *,
                     conflicts.append(text)
                 continue
             seen[name] = (rank, t)
+            hit = known.get(name) if known else None
+            if hit is not None and hit[0] == t:
+                metas[name] = hit[1]
+                continue
             layout = Layout.from_json(t["layout"])
             grid = _grid_of(url, name, layout, t.get("shard"), t.get("edges"))
             metas[name] = ArrayMeta(name=name, shape=tuple(layout.shape), dtype=t["dtype"], shard=grid.shard,

@@ -15,6 +15,7 @@ from reshard.layouts.errors import CheckpointNotFoundError, FormatError, Storage
 from .format import refs as references
 from .format.consolidated import RootMetadata
 from .format.meta import META_DIR, ArrayMeta
+from .io.gcpause import gc_paused
 from .io.storage import Storage
 from .locate import ByRanks, ByReferences, Locator, read_references
 from .manifests import merge_manifests, present_ranks, read_manifest, read_manifests
@@ -22,6 +23,7 @@ from .protocol import GENERATION_PREFIX, Marker, generation_of, generation_stora
 from .reader import Checkpoint
 
 
+@gc_paused()
 def open(url: str, *, allow_uncommitted: bool = False, storage_options: dict[str, Any] | None = None,
          engine: str = "fast", gap: int | None = None, retries: int = 5, save_id: Any = None,
          check_current: bool = True) -> Checkpoint:

@@ -22,6 +22,7 @@ from .format.meta import ArrayMeta
 from .format.refs import DEFAULT_OBJECT_BYTES, PACKED_DIR, check_form
 from .format.shard import encode_shard
 from .io import packed, pool
+from .io.gcpause import gc_paused
 from .io.storage import IOStats, Storage
 from .opening import open
 from .reader import Checkpoint
@@ -33,6 +34,7 @@ def _all_ranks(layouts: Mapping[str, Layout]) -> list[int]:
     return sorted(set().union(*(lay.ranks for lay in layouts.values()))) if layouts else [0]
 
 
+@gc_paused()
 def save(state: Mapping[str, Any], url: str, layouts: LayoutSpec | None = None, **options: Any) -> CheckpointWriter:
     """Save whole arrays, divided by ``layouts``, as if every rank wrote its piece.
 
@@ -61,6 +63,7 @@ def save(state: Mapping[str, Any], url: str, layouts: LayoutSpec | None = None, 
     return writer
 
 
+@gc_paused()
 def save_pieces(pieces: Mapping[int, Mapping[str, Any]], url: str, layouts: LayoutSpec,
                 **options: Any) -> CheckpointWriter:
     """Save ``{rank: local state dict}`` (each rank's own pieces) and commit."""

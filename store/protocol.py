@@ -22,6 +22,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -51,6 +52,7 @@ from .format.schema import (
     with_digest,
 )
 from .io import pool
+from .io.gcpause import gc_paused
 from .io.storage import Storage
 from .manifests import merge_manifests, merge_packed, read_manifests
 
@@ -231,10 +233,11 @@ def unlock(url: str | Storage, save_id: Any = None, *, storage_options: dict[str
 
 
 # -------------------------------------------------------------------- commit
+@gc_paused()
 def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None = None,
            storage_options: dict[str, Any] | None = None, force: bool = False,
            lock_lease: float = DEFAULT_LOCK_LEASE, manifests: dict[int, dict[str, Any]] | None = None,
-           form: str | None = None) -> Marker:
+           form: str | None = None, known: Mapping[str, tuple[dict[str, Any], ArrayMeta]] | None = None) -> Marker:
     """Commit a save once every rank has written.
 
     Parameters
@@ -259,6 +262,9 @@ def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None =
     manifests : dict, optional
         ``{rank: manifest}`` already read by the caller (a committer that
         polled for them): they are not read again.
+    known : mapping, optional
+        ``{name: (manifest record, array record)}`` the caller wrote itself:
+        a manifest record equal to one of these is not parsed again.
 
     Returns
     -------
@@ -281,7 +287,7 @@ def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None =
     try:
         if manifests is None:
             manifests = read_manifests(gen, sid, ranks, form)
-        metas, leaves = merge_manifests(gen.url, manifests)
+        metas, leaves = merge_manifests(gen.url, manifests, known=known)
         located = merge_packed(gen.url, manifests, metas)
         if located is not None:
             check_reused(root, generation, located)
@@ -318,11 +324,10 @@ def write_metadata(gen: Storage, metas: dict[str, ArrayMeta], leaves: dict[str, 
 
 def metadata_documents(metas: dict[str, ArrayMeta], leaves: dict[str, Any]) -> tuple[dict[str, bytes], bytes]:
     """Every array's and group's ``<path>/zarr.json`` (bytes by key), and the root ``zarr.json`` (consolidated)."""
-    docs = {m.path: m.to_zarr_json() for m in metas.values()}
+    docs = {m.path: json.dumps(m.to_zarr_json()) for m in metas.values()}
     groups = sorted({"/".join(m.path.split("/")[:i]) for m in metas.values() for i in range(1, m.path.count("/") + 1)})
-    docs.update({g: group_json() for g in groups})
-    return {f"{path}/zarr.json": json.dumps(doc).encode() for path, doc in docs.items()}, root_document(metas, docs,
-                                                                                                      leaves)
+    docs.update({g: json.dumps(group_json()) for g in groups})
+    return {f"{path}/zarr.json": text.encode() for path, text in docs.items()}, root_document(metas, docs, leaves)
 
 
 def check_reused(root: Storage, generation: str, located: dict[str, tuple[str, int, int]]) -> None:

@@ -24,6 +24,7 @@ from reshard.layouts.errors import (
 
 from .fetch import Fetcher
 from .format.meta import COMMIT_KEY, ArrayMeta
+from .io.gcpause import gc_paused
 from .io.storage import IOStats, Storage
 from .lazy import LazyTensor, Region
 from .locate import Locator
@@ -218,6 +219,7 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
             state = "was uncommitted or deleted" if now is None else "was replaced by a newer save"
             raise CheckpointReplacedError(f"{self.url}: the checkpoint {state} after it was opened; open it again")
 
+    @gc_paused()
     def read(self, name: str, region: Region | None = None) -> np.ndarray:
         """Read one tensor (or a region of it) into a new numpy array."""
         meta = self.tensor(name).resolve()
@@ -226,6 +228,7 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
         self.read_regions([(meta, region, dest)])
         return dest
 
+    @gc_paused()
     def load(self, layouts: LayoutSpec, rank: int, *, names: Any = None,
              out: Mapping[str, Any] | None = None, as_: str = "numpy", device: Any = None,
              pin_memory: bool = False) -> dict[str, Any]:

@@ -52,6 +52,7 @@ from .format.schema import check_names, with_digest
 from .format.shard import SMALL_SHARD_BYTES, encode_shard
 from .incremental import Base, Reusable, digest
 from .io import packed, pool
+from .io.gcpause import gc_paused
 from .io.storage import Storage
 from .manifests import has_written, manifest_key
 from .protocol import Marker, commit, generation_of, read_marker, save_id_of
@@ -126,6 +127,8 @@ class CheckpointWriter:
         self.checksums = checksums
         self.chunk_bytes = int(chunk_bytes)
         self._written: set[int] = set()
+        #: ``{name: (manifest record, array record)}`` of this process's writes: the commit need not parse them again
+        self._known: dict[str, tuple[dict[str, Any], ArrayMeta]] = {}
         self.check_names(self.names())
         self._checked = set(self.names())  # names checked together (a write passing only these needs no check)
         current = read_marker(self.root)
@@ -189,6 +192,7 @@ class CheckpointWriter:
         )
 
     # -------------------------------------------------------------- write
+    @gc_paused()
     def write(self, rank: int, state: Mapping[str, Any]) -> None:
         """Write one rank's local pieces (and its non-tensor leaves).
 
@@ -224,9 +228,10 @@ class CheckpointWriter:
         if missing:
             raise LayoutError(f"rank {rank} holds {missing} by its layouts but did not pass them")
         self._check_not_written(rank)
-        pieces = [(meta, meta.layout.region(rank), tensors[name]) for name, meta in metas.items()
+        pieces = [(meta, meta.layout.region(rank), tensors[name]) for name, meta in sorted(metas.items(), key=_geometry)
                   if meta.layout.replica_id(rank) == 0]
         manifest = self._manifest(rank, metas, leaves)
+        self._known.update((name, (record, metas[name])) for name, record in manifest["tensors"].items())
         if self.form == "packed":  # one object: the shards back to back, then the manifest
             blobs = self._encode([s for piece in pieces for s in self._shards(*piece)])
             reuse = self.base.for_rank(rank) if self.base is not None else Reusable()
@@ -254,6 +259,7 @@ class CheckpointWriter:
                 "was not committed?). Save under a new save_id, or remove the attempt with "
                 f"`reshard gc {self.root.url} --min-age 0`")
 
+    @gc_paused()
     def write_block(self, meta: ArrayMeta, region: tuple[slice, ...], data: np.ndarray) -> None:
         """Write the shards of one block of a tensor (``data`` holds the block's values).
 
@@ -381,7 +387,7 @@ class CheckpointWriter:
             ranks = sorted(set(ranks).union(*(self.layout(n).ranks for n in names)))
         # where the manifests are: a packed rank's in its data object; write_manifests' as JSON
         form = None if self._json_manifests else self.form
-        return commit(self.root, save_id=self.save_id, ranks=ranks, **{"form": form, **options})
+        return commit(self.root, save_id=self.save_id, ranks=ranks, known=self._known, **{"form": form, **options})
 
 
 #: Shards averaging fewer bytes are encoded in the calling thread: their per-shard Python work outweighs
@@ -390,6 +396,18 @@ INLINE_SHARD_BYTES = 128 << 10
 
 #: The storage form new checkpoints get (chosen by measurement: docs/performance.md).
 DEFAULT_FORM = "packed"
+
+
+def _geometry(item: tuple[str, ArrayMeta]) -> tuple[Any, ...]:
+    """Order of a rank's shards in its data object: alike layouts and shapes side by side, then by name.
+
+    A target rank of another layout needs the same part of every shard of one
+    geometry, so grouping them makes its byte ranges few and long (W5: one rank
+    of 56 from 64 reads whole runs of shards, not every other shard).
+    """
+    name, meta = item
+    lay = meta.layout
+    return lay.ranks, lay.mesh, lay.dims, lay.split, lay.nested, lay.opt_shard or 0, lay.shape, name
 
 
 def _write_shard(storage: Storage, meta: ArrayMeta, idx: tuple[int, ...], data: np.ndarray) -> None:

@@ -97,3 +97,17 @@ def test_deferred_record_equals_eager_one(tmp_path: Path) -> None:
     lazy = rs.open(url).arrays["block4.w"]
     eager = rs.open(url, allow_uncommitted=True).arrays["block4.w"]  # built from the manifests
     assert lazy == eager and hash(lazy) == hash(eager)
+
+
+def test_root_document_is_the_json_of_the_group_with_every_document(tmp_path: Path) -> None:
+    """The root is spliced from the documents' JSON text: it must be exactly what encoding the whole gives."""
+    url = _save(tmp_path)
+    ckpt = rs.open(url)
+    raw = Path(ckpt.zarr_url, "zarr.json").read_bytes()
+    doc = json.loads(raw)
+    assert raw == json.dumps(doc).encode()  # same text, same key order as one json.dumps of the dict
+    inline = doc["consolidated_metadata"]["metadata"]
+    assert sorted(inline) == sorted(["b", "block0", "block1", "block2", "block3", "block4",
+                                     *(f"block{i}/w" for i in range(5))])
+    for path, sub in inline.items():
+        assert json.loads(Path(ckpt.zarr_url, path, "zarr.json").read_bytes()) == sub

@@ -132,3 +132,27 @@ def test_save_id_rejects_stale_manifests(tmp_path):
     writer.write(0, {"x": np.array([9.0, 9.0])})  # rank 1 never writes this time
     with pytest.raises(rs.UncommittedCheckpointError, match=r"ranks \[1\]"):
         writer.commit()
+
+
+def test_commit_takes_own_records_as_built_and_parses_the_rest(tmp_path):
+    """A writer's own records are not parsed again at commit, but only where they equal what the manifests say."""
+    from reshard.store.manifests import merge_manifests, read_manifests
+    from reshard.store.protocol import generation_of
+
+    url = str(tmp_path / "ck")
+    full, lay = full_state(), layouts()
+    writer = rs.create(url, lay)
+    for rank in range(4):
+        writer.write(rank, {n: full[n][lay[n].region(rank)] for n in lay})
+    gen = writer.root.child(generation_of(writer.save_id))
+    manifests = read_manifests(gen, writer.save_id, [0, 1, 2, 3], writer.form)
+    known = dict(writer._known)
+    metas, _ = merge_manifests(gen.url, manifests, known=known)
+    assert all(metas[n] is known[n][1] for n in lay)  # taken as built
+    record, meta = known["model.w"]
+    known["model.w"] = ({**record, "chunk": [1, 1]}, meta)  # not what the manifests say: parsed instead
+    metas, _ = merge_manifests(gen.url, manifests, known=known)
+    assert metas["model.w"] is not meta and metas["model.w"] == merge_manifests(gen.url, manifests)[0]["model.w"]
+    writer.commit()
+    for name, arr in full.items():
+        np.testing.assert_array_equal(rs.open(url).read(name), arr)

@@ -30,7 +30,7 @@ from .schema import check_root, dtype_of, int_list, loads_json
 _PREFIX = '{"zarr_format": 3, "node_type": "group", "attributes": '
 
 
-def root_document(metas: dict[str, ArrayMeta], docs: dict[str, dict[str, Any]], leaves: dict[str, Any]) -> bytes:
+def root_document(metas: dict[str, ArrayMeta], docs: dict[str, str], leaves: dict[str, Any]) -> bytes:
     """The root ``zarr.json`` bytes of a save.
 
     Parameters
@@ -38,14 +38,17 @@ def root_document(metas: dict[str, ArrayMeta], docs: dict[str, dict[str, Any]], 
     metas : dict
         The arrays, by dotted name.
     docs : dict
-        Every array's and group's ``zarr.json`` document, by zarr path.
+        Every array's and group's ``zarr.json`` document as JSON text (``json.dumps``), by zarr path:
+        spliced in as they are, not encoded a second time.
     leaves : dict
         The non-tensor leaves (JSON).
     """
     summary = {name: [list(m.shape), m.dtype] for name, m in sorted(metas.items())}
-    root = group_json({"reshard": {"format_version": FORMAT_VERSION, "leaves": leaves, "arrays": summary}})
-    root["consolidated_metadata"] = {"kind": "inline", "must_understand": False, "metadata": dict(sorted(docs.items()))}
-    raw = json.dumps(root).encode()
+    head = json.dumps(group_json({"reshard": {"format_version": FORMAT_VERSION, "leaves": leaves, "arrays": summary}}))
+    inline = ", ".join(f"{json.dumps(path)}: {text}" for path, text in sorted(docs.items()))
+    # the text json.dumps gives the group with "consolidated_metadata" added last, built without re-encoding docs
+    raw = (f'{head[:-1]}, "consolidated_metadata": {{"kind": "inline", "must_understand": false, '
+           f'"metadata": {{{inline}}}}}}}').encode()
     assert raw.decode()[: len(_PREFIX)] == _PREFIX  # what parse_root relies on
     return raw
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
+import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -65,6 +66,10 @@ def encode_shard(data: np.ndarray, meta: ArrayMeta, index_of: tuple[int, ...] | 
     if not meta.shape:
         return encode_chunk(data, meta)
     per = meta.chunks_in(index_of) if index_of is not None else meta.chunks_per_shard
+    if data.shape == meta.chunk and math.prod(per) == 1:  # one whole chunk (every small shard): no index array
+        chunk = encode_chunk(data, meta)
+        raw = struct.pack("<QQ", 0, sum(memoryview(b).nbytes for b in chunk))
+        return [*chunk, raw, crc32c(raw).to_bytes(4, "little")]
     if meta.compressor is None and data.shape[1:] == meta.chunk[1:] and math.prod(per[1:]) == 1:
         return _encode_rows(data, meta, per[0])
     return _encode_chunks(data, meta, per)
