@@ -47,7 +47,9 @@ class LazyTensor:
                  fixed: dict[int, int] | None = None) -> None:
         self.ckpt = ckpt
         self.meta = meta
-        if axes is None:
+        if axes is None and region is None and keep is None:  # the whole tensor (every ``ckpt[name]``)
+            axes, fixed = tuple((d, range(n)) for d, n in enumerate(meta.shape)), None
+        elif axes is None:
             region = region if region is not None else tuple(slice(0, n) for n in meta.shape)
             keep = keep if keep is not None else (True,) * len(meta.shape)
             axes = tuple((d, range(r.start, r.stop)) for d, (r, k) in enumerate(zip(region, keep, strict=True)) if k)

@@ -8,6 +8,8 @@ ranks' manifests on request (``allow_uncommitted=True``), for forensics.
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import dataclass
 from typing import Any
 
 from reshard.layouts.errors import CheckpointNotFoundError, FormatError, StorageError, UncommittedCheckpointError
@@ -103,23 +105,56 @@ def _file_not_checkpoint(url: str) -> str:
 def read_metadata(storage: Storage, marker: Marker) -> tuple[dict[str, ArrayMeta], dict[str, Any]]:
     """The arrays and leaves of a committed save, checked against its marker."""
     where = f"{storage.url}/zarr.json"
-    try:
-        raw = storage.read("zarr.json")
-    except FileNotFoundError:
-        raise FormatError(f"{where} is missing: the committed save's metadata is gone") from None
-    return parse_metadata(where, raw, marker)
+    return parse_metadata(where, _read_root(storage, where), marker)
 
 
 def parse_metadata(where: str, raw: bytes, marker: Marker) -> tuple[dict[str, ArrayMeta], dict[str, Any]]:
-    """The arrays and leaves of a root ``zarr.json`` (``raw``), checked against its marker."""
-    if marker.metadata_sha256 is not None and metadata_digest(raw) != marker.metadata_sha256:
-        raise FormatError(f"{where} does not match the digest in its commit marker: the metadata was edited or "
-                          "corrupted after the commit")
-    parsed = RootMetadata(where, raw)
+    """The arrays and leaves of a root ``zarr.json`` (``raw``), checked against its marker.
+
+    A marker that seals the document's summary (``summary_bytes``) lets this
+    check and parse only that prefix: the whole document (megabytes at
+    thousands of tensors) is checked against ``metadata_sha256`` and parsed
+    when a full record is first needed.
+    """
+    if marker.summary_bytes is None:
+        _check_digest(where, raw, marker)
+        parsed = RootMetadata(where, raw)
+    else:
+        prefix = raw[: marker.summary_bytes]
+        if len(prefix) != marker.summary_bytes or hashlib.sha256(prefix).hexdigest() != marker.summary_sha256:
+            raise FormatError(f"{where}: its summary does not match the digest in its commit marker: the metadata "
+                              "was edited or corrupted after the commit")
+        parsed = RootMetadata(where, prefix, _WholeRoot(raw, where, marker))
     arrays = parsed.arrays()
     if marker.format_version >= 2 and len(arrays) != marker.tensors:
         raise FormatError(f"{where} describes {len(arrays)} tensors, its commit marker {marker.tensors}")
     return arrays, parsed.leaves
+
+
+@dataclass(frozen=True)
+class _WholeRoot:
+    """The whole root document, checked against the marker when first asked for (a plain record: it pickles)."""
+
+    raw: bytes
+    where: str
+    marker: Marker
+
+    def __call__(self) -> bytes:
+        _check_digest(self.where, self.raw, self.marker)
+        return self.raw
+
+
+def _read_root(storage: Storage, where: str) -> bytes:
+    try:
+        return storage.read("zarr.json")
+    except FileNotFoundError:
+        raise FormatError(f"{where} is missing: the committed save's metadata is gone") from None
+
+
+def _check_digest(where: str, raw: bytes, marker: Marker) -> None:
+    if marker.metadata_sha256 is not None and metadata_digest(raw) != marker.metadata_sha256:
+        raise FormatError(f"{where} does not match the digest in its commit marker: the metadata was edited or "
+                          "corrupted after the commit")
 
 
 def _open_uncommitted(root: Storage, allow: bool, save_id: Any, engine: str, gap: int | None) -> Checkpoint:

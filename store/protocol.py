@@ -34,7 +34,7 @@ from reshard.layouts.errors import (
     FormatError,
 )
 
-from .format.consolidated import root_document
+from .format.consolidated import root_document, summary_seal
 from .format.meta import (
     COMMIT_KEY,
     FORMAT_VERSION,
@@ -107,6 +107,10 @@ class Marker:
     #: it) or ``"references"`` (the references file); the root ``zarr.json`` is then an object of its own.
     #: None: the directory form, or a packed save whose root document lives inside its references only.
     locations: str | None = None
+    #: The root ``zarr.json``'s summary prefix: its length and sha256 (see
+    #: :func:`reshard.store.format.consolidated.summary_seal`); None in markers written before it existed.
+    summary_bytes: int | None = None
+    summary_sha256: str | None = None
 
     @classmethod
     def parse(cls, url: str, raw: bytes) -> Marker:
@@ -134,9 +138,11 @@ class Marker:
     def to_json(self) -> bytes:
         """The marker's bytes, with the sha256 of its own canonical JSON (any edit is detected).
 
-        ``references_sha256`` is left out of directory-form markers (it has nothing to name).
+        ``references_sha256`` is left out of directory-form markers (it has nothing to name), and the
+        optional fields when unset.
         """
-        doc = {k: v for k, v in asdict(self).items() if v is not None or k not in ("references_sha256", "locations")}
+        optional = ("references_sha256", "locations", "summary_bytes", "summary_sha256")
+        doc = {k: v for k, v in asdict(self).items() if v is not None or k not in optional}
         return with_digest(doc)
 
 
@@ -305,7 +311,7 @@ def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None =
         marker = Marker(format_version=FORMAT_VERSION, generation=generation, save_id=sid, time=time.time(),
                         tensors=len(metas), ranks=sorted(manifests), metadata_sha256=metadata_digest(raw),
                         form="directory" if located is None else "packed", references_sha256=refs_digest,
-                        locations=locations)
+                        locations=locations, **summary_seal(raw))
         root.write_atomic(COMMIT_KEY, marker.to_json())
     except BaseException:
         with contextlib.suppress(Exception):

@@ -11,6 +11,7 @@ import pytest
 import reshard.store as rs
 from reshard.layouts import Layout
 from reshard.layouts.errors import FormatError
+from reshard.store.format.consolidated import summary_seal
 from reshard.store.format.schema import with_digest
 
 pytestmark = pytest.mark.directory_form  # these tests look at or damage the directory form's files
@@ -34,6 +35,7 @@ def _rewrite_root(url: str, edit) -> None:  # type: ignore[no-untyped-def]
     raw = json.dumps(doc).encode()
     root.write_bytes(raw)
     marker["metadata_sha256"] = hashlib.sha256(raw).hexdigest()
+    marker.update(summary_seal(raw))
     marker.pop("sha256", None)
     marker_path.write_bytes(with_digest(marker))  # re-sealed with the marker's own digest
 
@@ -111,3 +113,41 @@ def test_root_document_is_the_json_of_the_group_with_every_document(tmp_path: Pa
                                      *(f"block{i}/w" for i in range(5))])
     for path, sub in inline.items():
         assert json.loads(Path(ckpt.zarr_url, path, "zarr.json").read_bytes()) == sub
+
+
+def _edit_unsigned(url: str, edit) -> None:  # type: ignore[no-untyped-def]
+    """Change the committed root zarr.json without telling the marker."""
+    marker = json.loads(Path(url, ".reshard", "commit.json").read_bytes())
+    root = Path(url, marker["generation"], "zarr.json")
+    doc = json.loads(root.read_bytes())
+    edit(doc)
+    root.write_bytes(json.dumps(doc).encode())
+
+
+def test_open_checks_the_sealed_summary_the_rest_on_first_use(tmp_path: Path) -> None:
+    url = _save(tmp_path)
+    marker = json.loads(Path(url, ".reshard", "commit.json").read_bytes())
+    raw = Path(url, marker["generation"], "zarr.json").read_bytes()
+    assert marker["summary_bytes"] < len(raw) // 4 and marker["summary_sha256"] == summary_seal(raw)["summary_sha256"]
+    _edit_unsigned(url, lambda doc: doc["consolidated_metadata"]["metadata"]["b"].update(data_type="int32"))
+    ckpt = rs.open(url)  # names, shapes and dtypes come from the sealed summary, which is intact
+    assert ckpt["b"].dtype == np.dtype("int64")
+    with pytest.raises(FormatError, match="does not match the digest in its commit marker"):
+        ckpt.read("b")  # the first full record checks the whole document
+    _edit_unsigned(url, lambda doc: doc["attributes"]["reshard"]["arrays"]["b"].__setitem__(0, [8]))
+    with pytest.raises(FormatError, match="its summary does not match the digest"):
+        rs.open(url)
+
+
+def test_a_marker_without_a_summary_seal_checks_everything_at_open(tmp_path: Path) -> None:
+    """Markers written before the seal: the whole document is checked against metadata_sha256 at open."""
+    url = _save(tmp_path)
+    marker_path = Path(url, ".reshard", "commit.json")
+    marker = json.loads(marker_path.read_bytes())
+    for key in ("summary_bytes", "summary_sha256", "sha256"):
+        marker.pop(key)
+    marker_path.write_bytes(with_digest(marker))
+    np.testing.assert_array_equal(rs.open(url).read("b"), np.ones(7, dtype="int64"))
+    _edit_unsigned(url, lambda doc: doc["consolidated_metadata"]["metadata"]["b"].update(data_type="int32"))
+    with pytest.raises(FormatError, match="does not match the digest in its commit marker"):
+        rs.open(url)

@@ -16,6 +16,7 @@ import pytest
 import reshard.store as rs
 from reshard.layouts import Layout
 from reshard.layouts.errors import FormatError
+from reshard.store.format.consolidated import summary_seal
 from reshard.store.format.grid import Grid, choose_grid
 from reshard.store.format.meta import ArrayMeta
 from reshard.store.format.schema import with_digest
@@ -211,6 +212,7 @@ def _resign(url: Path, edit: Any) -> None:
     raw = json.dumps(root).encode()
     (gen / "zarr.json").write_bytes(raw)
     marker["metadata_sha256"] = hashlib.sha256(raw).hexdigest()
+    marker.update(summary_seal(raw))
     marker.pop("sha256", None)
     marker_path.write_bytes(with_digest(marker))  # re-sealed with the marker's own digest
 

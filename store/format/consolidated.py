@@ -18,11 +18,14 @@ by parsing it whole.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
+from collections.abc import Callable
 from typing import Any
 
 from reshard.layouts.errors import FormatError
 
+from .dtypes import SUPPORTED
 from .meta import FORMAT_VERSION, ArrayMeta, group_json, stored_name, tensor_path
 from .schema import check_root, dtype_of, int_list, loads_json
 
@@ -53,6 +56,22 @@ def root_document(metas: dict[str, ArrayMeta], docs: dict[str, str], leaves: dic
     return raw
 
 
+def summary_seal(raw: bytes) -> dict[str, Any]:
+    """The marker fields that seal a root document's summary: ``summary_bytes`` (the length of the prefix
+    through its attributes, which hold the summary) and ``summary_sha256``; none for a document without one.
+
+    With them a reader opens a checkpoint from that prefix alone (one ranged read, one small hash), and
+    reads and checks the whole document against ``metadata_sha256`` only when it first needs a record.
+    """
+    if not raw.startswith(_PREFIX.encode()):
+        return {}
+    try:  # json.dumps writes ASCII: character offsets are byte offsets
+        _, end = json.JSONDecoder().raw_decode(raw.decode("ascii"), len(_PREFIX))
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return {}
+    return {"summary_bytes": end, "summary_sha256": hashlib.sha256(raw[:end]).hexdigest()}
+
+
 class RootMetadata:
     """A parsed root document: leaves and array summary now, full documents on demand.
 
@@ -61,12 +80,16 @@ class RootMetadata:
     where : str
         The document's URL (for messages).
     raw : bytes
-        Its bytes.
+        Its bytes, or only its sealed summary prefix (see :func:`summary_seal`) when ``rest`` is given.
+    rest : callable, optional
+        Returns the whole document (read and checked by the caller), on first need of a full record.
     """
 
-    def __init__(self, where: str, raw: bytes) -> None:
+    def __init__(self, where: str, raw: bytes, rest: Callable[[], bytes] | None = None) -> None:
         self.where = where
-        self.raw = raw
+        self._rest = rest
+        if rest is None:
+            self.raw = raw
         attrs: Any = None
         if raw.startswith(_PREFIX.encode()):
             try:
@@ -82,6 +105,12 @@ class RootMetadata:
         else:  # no summary: the whole document, checked now
             self.leaves, _ = self.checked
             self.summary = None
+
+    @functools.cached_property
+    def raw(self) -> bytes:
+        """The whole document (read on first use when opened from its summary prefix)."""
+        assert self._rest is not None
+        return self._rest()
 
     @functools.cached_property
     def checked(self) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -119,9 +148,11 @@ class RootMetadata:
         for name, entry in self.summary.items():
             if type(entry) is not list or len(entry) != 2:
                 raise FormatError(f"{self.where}: malformed summary of tensor {name!r}: {entry!r:.80}")
-            at = f"{self.where}: summary of tensor {name!r}"
-            shape, dtype = int_list(entry[0], at, "shape"), dtype_of(entry[1], at, "dtype")
-            out[name] = ArrayMeta.deferred(name, shape, dtype, functools.partial(self.array, name))
+            shape, dtype = entry
+            if type(shape) is not list or not all(type(n) is int and n >= 0 for n in shape) or dtype not in SUPPORTED:
+                at = f"{self.where}: summary of tensor {name!r}"  # the checks again, to name what is wrong
+                int_list(shape, at, "shape"), dtype_of(dtype, at, "dtype")
+            out[name] = ArrayMeta.deferred(name, tuple(shape), dtype, functools.partial(self.array, name))
         return out
 
     def array(self, name: str) -> ArrayMeta:

@@ -219,6 +219,7 @@ class ArrayMeta:
         full.validate()
         for f in _DEFERRED:
             self.__dict__[f] = full.__dict__[f]
+        self.__dict__["source"] = None  # complete now: a plain record (dask ships and tokenizes it)
 
     def resolve(self) -> ArrayMeta:
         """Complete a deferred record now, checked against the summary (before buffers are sized by it)."""

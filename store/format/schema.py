@@ -197,12 +197,17 @@ def marker_fields(doc: Any, where: str) -> dict[str, Any]:
         raise _fail(where, "form", "a string", form)
     if refs_digest is not None and (not isinstance(refs_digest, str) or not _HEX64.fullmatch(refs_digest)):
         raise _fail(where, "references_sha256", "64 lowercase hex digits", refs_digest)
+    seal: tuple[Any, Any] = (doc.get("summary_bytes"), doc.get("summary_sha256"))
+    if seal != (None, None) and not (is_int(seal[0]) and seal[0] >= 1 and isinstance(seal[1], str)
+                                     and _HEX64.fullmatch(seal[1])):
+        raise _fail(where, "summary_bytes/summary_sha256", "an int >= 1 and 64 lowercase hex digits, or absent",
+                    list(seal))
     locations = doc.get("locations")
     if locations not in (None, "ranks", "references") or (locations is not None and form != "packed"):
         raise _fail(where, "locations", "'ranks' or 'references' (packed form only), or absent", locations)
     out.update(generation=generation, save_id=None if save_id is None else str(save_id), time=float(time),
                tensors=tensors, ranks=list(int_list(ranks, where, "ranks")), metadata_sha256=digest, form=form,
-               references_sha256=refs_digest, locations=locations)
+               references_sha256=refs_digest, locations=locations, summary_bytes=seal[0], summary_sha256=seal[1])
     return out
 
 

@@ -33,6 +33,7 @@ from typing import Any
 import pytest
 import reshard.store as rs
 from harness import RANKS, Backend, Tally, attempt, make_state, read_back, rng_for, same, save, trials
+from reshard.store.format.consolidated import summary_seal
 from reshard.store.format.refs import REFS_KEY, trailer, trailer_lengths
 from reshard.store.format.schema import with_digest
 from reshard.store.verify import verify
@@ -102,6 +103,7 @@ def _fix_marker(backend: Backend, marker: dict[str, Any], key: str | None = None
     path = key.partition("#")[0] if key is not None else ""
     if path.endswith("/zarr.json"):
         marker["metadata_sha256"] = hashlib.sha256(backend.read(path)).hexdigest()
+        marker.update(summary_seal(backend.read(path)))
     elif path.endswith(f"/{REFS_KEY}"):
         marker["references_sha256"] = hashlib.sha256(backend.read(path)).hexdigest()
     marker.pop("sha256", None)
