@@ -141,8 +141,9 @@ class ReadAll(Task):
 
 
 class OpenInspect(Task):
-    """``open(url)``, its names and every tensor's shape and dtype (what DCP's metadata read gives);
-    with ``args["layouts"]`` every tensor's saving layout too (parses every array's metadata)."""
+    """``open(url)``, its names and every tensor's shape and dtype (what DCP's metadata read gives: the
+    dtype object is fetched, not formatted, as DCP's task does); with ``args["layouts"]`` every tensor's
+    saving layout too (parses every array's metadata)."""
 
     def __init__(self, ctx: Ctx) -> None:
         import reshard.store as rs
@@ -155,7 +156,7 @@ class OpenInspect(Task):
         seen = 0
         for name in ckpt:
             t = ckpt[name]
-            seen += len(t.shape) + len(str(t.dtype)) + (len(t.layout.ranks) if layouts else 1) > 0
+            seen += len(t.shape) >= 0 and t.dtype is not None and (len(t.layout.ranks) if layouts else 1) > 0
         self.count = seen
         return {"tensors": seen}
 

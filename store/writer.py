@@ -268,7 +268,8 @@ class CheckpointWriter:
         block once, then calls :meth:`write_manifests` and :meth:`commit`.
         In the packed form the shards are held until ``buffer_bytes`` of them
         are pending (then written as one data object) or :meth:`write_manifests`:
-        a block writer's memory and object size.
+        a block writer's memory and object size. They may be views of ``data``:
+        the caller leaves it unchanged until then (importers pass each block's own array).
         """
         if self.form == "directory":
             pool.run_all(self._shard_jobs(meta, region, data), self.storage.local)

@@ -29,6 +29,9 @@ Region = tuple[slice, ...]
 #: Shards up to this many bytes are read whole (index and data in one request)
 #: and written as one inner chunk.
 SMALL_SHARD_BYTES = 256 << 10
+#: Inner chunks of at least this many bytes are written from views of the caller's array (one buffer and
+#: one crc each, gathered by ``writev``); smaller ones are copied into one buffer with their crcs between.
+VIEW_CHUNK_BYTES = 64 << 10
 
 
 def crc32c(data: Any) -> int:
@@ -115,13 +118,17 @@ def _encode_rows(data: np.ndarray, meta: ArrayMeta, count: int) -> list[Any]:
     whole = min(count, data.shape[0] // rows)  # chunks holding full rows; the rest are padded or missing
     stored = size + (4 if meta.checksums else 0)
     index = np.full((count, 2), MISSING, dtype="<u8")
-    if meta.checksums:
+    if meta.checksums and size >= VIEW_CHUNK_BYTES:  # chunks as views of data, each with its crc: no copy
+        parts: list[Any] = []
+        for c in flat[: whole * size].reshape(whole, size):
+            parts += [memoryview(c), crc32c(c).to_bytes(4, "little")]
+    elif meta.checksums:  # many small chunks (a balanced split's one-row chunks): one buffer, crcs interleaved
         body = np.empty((whole, stored), dtype=np.uint8)
         chunks = flat[: whole * size].reshape(whole, size)
         body[:, :size] = chunks
         crcs = np.fromiter((crc32c(c) for c in chunks), dtype="<u4", count=whole)
         body[:, size:] = crcs.view(np.uint8).reshape(whole, 4)
-        parts: list[Any] = [_bytes_view(body)]
+        parts = [_bytes_view(body)]
     else:
         parts = [_bytes_view(flat[: whole * size])]
     index[:whole, 0] = np.arange(whole, dtype="<u8") * stored
