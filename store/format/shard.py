@@ -121,7 +121,7 @@ def _encode_rows(data: np.ndarray, meta: ArrayMeta, count: int) -> list[Any]:
     if meta.checksums and size >= VIEW_CHUNK_BYTES:  # chunks as views of data, each with its crc: no copy
         parts: list[Any] = []
         for c in flat[: whole * size].reshape(whole, size):
-            parts += [memoryview(c), crc32c(c).to_bytes(4, "little")]
+            parts += [_bytes_view(c), crc32c(c).to_bytes(4, "little")]
     elif meta.checksums:  # many small chunks (a balanced split's one-row chunks): one buffer, crcs interleaved
         body = np.empty((whole, stored), dtype=np.uint8)
         chunks = flat[: whole * size].reshape(whole, size)
