@@ -8,6 +8,7 @@ once per distinct layout by :mod:`._table` and cached.
 from __future__ import annotations
 
 import bisect
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -397,6 +398,14 @@ class Layout:
         from .jsonform import to_json
 
         return to_json(self)
+
+    def to_json_text(self) -> str:
+        """:meth:`to_json` as compact JSON text (``separators=(",", ":")``; cached: manifests repeat it)."""
+        return self._json_text
+
+    @cached_property
+    def _json_text(self) -> str:
+        return json.dumps(self._json, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, obj: Any) -> Layout:

@@ -37,7 +37,7 @@ from reshard.layouts.errors import (
     ShapeMismatchError,
 )
 
-from .format.dtypes import dtype_name
+from .format.dtypes import dtype_name, numpy_dtype
 from .format.grid import choose_grid
 from .format.meta import (
     DEFAULT_CHUNK_BYTES,
@@ -173,7 +173,7 @@ class CheckpointWriter:
         """
         grid = choose_grid(layout, self.grid, single_writer)
         shard = grid.shard
-        itemsize = np.dtype(_np(dtype)).itemsize
+        itemsize = numpy_dtype(dtype).itemsize
         size = math.prod(shard) * itemsize
         # A small shard is one chunk: readers fetch it whole anyway (SMALL_SHARD_BYTES),
         # and splitting it by divisors of a prime row count would give one chunk (and crc) per row.
@@ -240,7 +240,7 @@ class CheckpointWriter:
             objects, where = packed.plan_pack(f"{self.generation}/{PACKED_DIR}", str(rank), fresh, self.object_bytes)
             manifest["packed"] = {k: list(v) for k, v in {**found, **where}.items() if v is not None}
             manifest["hashes"] = {key: sha for key, _, sha in blobs}
-            records = json.dumps(manifest.pop("tensors"), separators=(",", ":")).encode()
+            records = records_json(manifest.pop("tensors"), metas)
             manifest["tensors_sha256"] = hashlib.sha256(records).hexdigest()
             packed.write_objects(self.root, objects, trailer(with_digest(manifest), records))
         else:
@@ -420,10 +420,14 @@ def _encode_one(meta: ArrayMeta, idx: tuple[int, ...], data: np.ndarray) -> tupl
     return meta.shard_key(idx), parts, digest(parts)
 
 
-def _np(dtype: str) -> Any:
-    from .format.dtypes import numpy_dtype
+def records_json(records: dict[str, dict[str, Any]], metas: dict[str, ArrayMeta]) -> bytes:
+    """``json.dumps(records, separators=(",", ":"))``, with each record's layout (its last field) spliced in
+    from the layout's cached text: a rank's manifest repeats a few layouts over hundreds of tensors."""
+    def one(name: str, record: dict[str, Any]) -> str:
+        head = json.dumps({k: v for k, v in record.items() if k != "layout"}, separators=(",", ":"))
+        return f'{json.dumps(name)}:{head[:-1]},"layout":{metas[name].layout.to_json_text()}}}'
 
-    return numpy_dtype(dtype)
+    return ("{" + ",".join(one(n, r) for n, r in records.items()) + "}").encode()
 
 
 def single_process(options: dict[str, Any]) -> dict[str, Any]:
