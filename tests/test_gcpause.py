@@ -72,3 +72,22 @@ def test_save_and_load_restore_it_on_success_and_on_error(tmp_path):
     with pytest.raises(Exception, match="nope"):
         rs.open(url).read("nope")
     assert gc.isenabled()
+
+
+def test_a_child_forked_during_a_pause_has_the_collector_on():
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    with gc_paused():
+        assert not gc.isenabled()
+        child = ctx.Process(target=_exit_with_gc_state)
+        child.start()
+        child.join(30)
+    assert child.exitcode == 1  # the child saw the collector on
+    assert gc.isenabled()
+
+
+def _exit_with_gc_state() -> None:
+    import os
+
+    os._exit(1 if gc.isenabled() else 2)

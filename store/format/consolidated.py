@@ -60,8 +60,8 @@ def summary_seal(raw: bytes) -> dict[str, Any]:
     """The marker fields that seal a root document's summary: ``summary_bytes`` (the length of the prefix
     through its attributes, which hold the summary) and ``summary_sha256``; none for a document without one.
 
-    With them a reader opens a checkpoint from that prefix alone (one ranged read, one small hash), and
-    reads and checks the whole document against ``metadata_sha256`` only when it first needs a record.
+    With them a reader checks and parses that prefix alone at open (a small hash, not one of megabytes),
+    and checks the whole document against ``metadata_sha256`` when it first needs a full record.
     """
     if not raw.startswith(_PREFIX.encode()):
         return {}
@@ -82,7 +82,7 @@ class RootMetadata:
     raw : bytes
         Its bytes, or only its sealed summary prefix (see :func:`summary_seal`) when ``rest`` is given.
     rest : callable, optional
-        Returns the whole document (read and checked by the caller), on first need of a full record.
+        Returns the whole document, checked against its marker, on first need of a full record.
     """
 
     def __init__(self, where: str, raw: bytes, rest: Callable[[], bytes] | None = None) -> None:

@@ -13,7 +13,8 @@ a collection then reclaims any cycles the caller's own code made meanwhile.
 Nested and concurrent entries (the async saver's thread and a load in the
 training thread) share one count: the collector is switched back on when the
 last one leaves, and only if it was on when the first one came in.
-``RESHARD_GC_PAUSE=0`` leaves the collector alone.
+``RESHARD_GC_PAUSE=0`` leaves the collector alone. A child made by ``fork``
+while another thread was inside starts with the collector on and the count at zero.
 """
 
 from __future__ import annotations
@@ -27,6 +28,19 @@ from collections.abc import Iterator
 _lock = threading.Lock()
 _depth = 0
 _paused = False  # whether the outermost entry switched the collector off
+
+
+def _reset_after_fork() -> None:
+    """In a forked child: the threads inside a pause did not come along; nor does the pause."""
+    global _lock, _depth, _paused
+    _lock = threading.Lock()
+    if _paused:
+        gc.enable()
+    _depth, _paused = 0, False
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 @contextlib.contextmanager
@@ -43,7 +57,7 @@ def gc_paused() -> Iterator[None]:
         yield
     finally:
         with _lock:
-            _depth -= 1
+            _depth = max(0, _depth - 1)  # never below zero: a forked child's reset count
             if _depth == 0 and _paused:
                 _paused = False
                 gc.enable()
