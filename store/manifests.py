@@ -1,4 +1,4 @@
-"""What each rank writes at the end of its save, and how a committer or reader gets it back.
+"""What each rank writes at the end of its save (:func:`rank_manifest`), and how a committer or reader gets it back.
 
 A rank's **manifest** lists the tensors it holds (their dtype, layout, shard grid: the
 *tensor records*), its leaves, the ranks the save expects and, in the packed form, where
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import math
 import threading
 from collections.abc import Mapping
@@ -22,11 +23,45 @@ from reshard.layouts import Layout
 from reshard.layouts.errors import DTypeMismatchError, FormatError, UncommittedCheckpointError
 
 from .format.grid import Grid, allowed_grids, choose_grid
-from .format.meta import META_DIR, ArrayMeta
+from .format.meta import FORMAT_VERSION, META_DIR, ArrayMeta
 from .format.refs import PACKED_DIR, rank_object, trailer_lengths
 from .format.schema import check_manifest, check_names, check_tensors, loads_json
 from .io import pool
 from .io.storage import Storage
+
+
+def rank_manifest(rank: int, save_id: str, metas: Mapping[str, ArrayMeta], leaves: dict[str, Any]) -> dict[str, Any]:
+    """The manifest of ``rank``: its tensors' records (``"tensors"``), its leaves, the ranks the save expects."""
+    expected = sorted(set().union(*(m.layout.ranks for m in metas.values()), {rank}))
+    return {
+        "format_version": FORMAT_VERSION,
+        "rank": rank,
+        "save_id": save_id,
+        "expected_ranks": expected,
+        "tensors": {
+            n: {
+                "dtype": m.dtype,
+                "chunk": list(m.chunk),
+                "shard": list(m.shard),
+                **({"edges": [list(e) for e in m.edges]} if m.edges is not None else {}),
+                "checksums": m.checksums,
+                "compressor": m.compressor,
+                "layout": m.layout.to_json(),  # last: records_json splices it
+            }
+            for n, m in metas.items()
+        },
+        "leaves": leaves,
+    }
+
+
+def records_json(records: dict[str, dict[str, Any]], metas: Mapping[str, ArrayMeta]) -> bytes:
+    """``json.dumps(records, separators=(",", ":"))``, with each record's layout (its last field) spliced in
+    from the layout's cached text: a rank's manifest repeats a few layouts over hundreds of tensors."""
+    def one(name: str, record: dict[str, Any]) -> str:
+        head = json.dumps({k: v for k, v in record.items() if k != "layout"}, separators=(",", ":"))
+        return f'{json.dumps(name)}:{head[:-1]},"layout":{metas[name].layout.to_json_text()}}}'
+
+    return ("{" + ",".join(one(n, r) for n, r in records.items()) + "}").encode()
 
 
 def manifest_key(rank: int) -> str:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import math
 import uuid
 from collections.abc import Mapping
@@ -41,7 +40,6 @@ from .format.dtypes import dtype_name, numpy_dtype
 from .format.grid import choose_grid
 from .format.meta import (
     DEFAULT_CHUNK_BYTES,
-    FORMAT_VERSION,
     MIN_CHUNK_BYTES,
     ArrayMeta,
     inner_chunk_shape,
@@ -54,7 +52,7 @@ from .incremental import Base, Reusable, digest
 from .io import packed, pool
 from .io.gcpause import gc_paused
 from .io.storage import Storage
-from .manifests import has_written, manifest_key
+from .manifests import has_written, manifest_key, rank_manifest, records_json
 from .protocol import Marker, commit, generation_of, read_marker, save_id_of
 from .tree import LayoutSpec, flatten, resolve_layout
 
@@ -230,7 +228,7 @@ class CheckpointWriter:
         self._check_not_written(rank)
         pieces = [(meta, meta.layout.region(rank), tensors[name]) for name, meta in sorted(metas.items(), key=_geometry)
                   if meta.layout.replica_id(rank) == 0]
-        manifest = self._manifest(rank, metas, leaves)
+        manifest = rank_manifest(rank, self.save_id, metas, leaves)
         self._known.update((name, (record, metas[name])) for name, record in manifest["tensors"].items())
         if self.form == "packed":  # one object: the shards back to back, then the manifest
             blobs = self._encode([s for piece in pieces for s in self._shards(*piece)])
@@ -307,7 +305,7 @@ class CheckpointWriter:
         ranks = sorted(set().union(*(m.layout.ranks for m in metas.values()))) or [0]
         for rank in ranks:
             held = {n: m for n, m in metas.items() if rank in m.layout.ranks}
-            manifest = self._manifest(rank, held, dict(leaves))
+            manifest = rank_manifest(rank, self.save_id, held, dict(leaves))
             if self.form == "packed":
                 manifest["packed"] = records if rank == ranks[0] else {}
                 manifest["hashes"] = hashes if rank == ranks[0] else {}
@@ -346,28 +344,6 @@ class CheckpointWriter:
         where = packed.write_pack(self.root, f"{self.generation}/{PACKED_DIR}", writer,
                                   [(key, parts) for key, parts, _ in blobs], self.object_bytes)
         return {k: list(v) for k, v in where.items()}
-
-    def _manifest(self, rank: int, metas: dict[str, ArrayMeta], leaves: dict[str, Any]) -> dict[str, Any]:
-        expected = sorted(set().union(*(m.layout.ranks for m in metas.values()), {rank}))
-        return {
-            "format_version": FORMAT_VERSION,
-            "rank": rank,
-            "save_id": self.save_id,
-            "expected_ranks": expected,
-            "tensors": {
-                n: {
-                    "dtype": m.dtype,
-                    "chunk": list(m.chunk),
-                    "shard": list(m.shard),
-                    **({"edges": [list(e) for e in m.edges]} if m.edges is not None else {}),
-                    "checksums": m.checksums,
-                    "compressor": m.compressor,
-                    "layout": m.layout.to_json(),
-                }
-                for n, m in metas.items()
-            },
-            "leaves": leaves,
-        }
 
     # ------------------------------------------------------------- commit
     def names(self) -> list[str]:
@@ -418,16 +394,6 @@ def _write_shard(storage: Storage, meta: ArrayMeta, idx: tuple[int, ...], data: 
 def _encode_one(meta: ArrayMeta, idx: tuple[int, ...], data: np.ndarray) -> tuple[str, list[Any], str]:
     parts = encode_shard(data, meta, idx)
     return meta.shard_key(idx), parts, digest(parts)
-
-
-def records_json(records: dict[str, dict[str, Any]], metas: dict[str, ArrayMeta]) -> bytes:
-    """``json.dumps(records, separators=(",", ":"))``, with each record's layout (its last field) spliced in
-    from the layout's cached text: a rank's manifest repeats a few layouts over hundreds of tensors."""
-    def one(name: str, record: dict[str, Any]) -> str:
-        head = json.dumps({k: v for k, v in record.items() if k != "layout"}, separators=(",", ":"))
-        return f'{json.dumps(name)}:{head[:-1]},"layout":{metas[name].layout.to_json_text()}}}'
-
-    return ("{" + ",".join(one(n, r) for n, r in records.items()) + "}").encode()
 
 
 def single_process(options: dict[str, Any]) -> dict[str, Any]:

@@ -311,11 +311,11 @@ def test_convert_in_place_and_the_cli(tmp_path, capsys):
 
 def test_records_json_is_the_json_of_the_records(tmp_path):
     """The trailer's records are spliced from each layout's cached text: the same bytes as one json.dumps."""
-    from reshard.store.writer import records_json
+    from reshard.store.manifests import rank_manifest, records_json
 
     full, layouts = state_and_layouts()
     writer = rs.create(str(tmp_path / "ck"), layouts)
     metas = {n: writer.meta(n, lay, str(full[n].dtype)) for n, lay in layouts.items()}
-    records = writer._manifest(0, metas, {})["tensors"]
+    records = rank_manifest(0, writer.save_id, metas, {})["tensors"]
     assert records_json(records, metas) == json.dumps(records, separators=(",", ":")).encode()
     assert json.loads(records_json(records, metas)) == records
