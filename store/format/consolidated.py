@@ -80,15 +80,15 @@ class RootMetadata:
     where : str
         The document's URL (for messages).
     raw : bytes
-        Its bytes, or only its sealed summary prefix (see :func:`summary_seal`) when ``rest`` is given.
-    rest : callable, optional
+        Its bytes, or only its sealed summary prefix (see :func:`summary_seal`) when ``whole`` is given.
+    whole : callable, optional
         Returns the whole document, checked against its marker, on first need of a full record.
     """
 
-    def __init__(self, where: str, raw: bytes, rest: Callable[[], bytes] | None = None) -> None:
+    def __init__(self, where: str, raw: bytes, whole: Callable[[], bytes] | None = None) -> None:
         self.where = where
-        self._rest = rest
-        if rest is None:
+        self._whole = whole
+        if whole is None:
             self.raw = raw
         attrs: Any = None
         if raw.startswith(_PREFIX.encode()):
@@ -108,9 +108,9 @@ class RootMetadata:
 
     @functools.cached_property
     def raw(self) -> bytes:
-        """The whole document (read on first use when opened from its summary prefix)."""
-        assert self._rest is not None
-        return self._rest()
+        """The whole document (when given only its summary prefix: fetched and checked on first use)."""
+        assert self._whole is not None
+        return self._whole()
 
     @functools.cached_property
     def checked(self) -> tuple[dict[str, Any], dict[str, Any]]:
