@@ -18,9 +18,9 @@ import numpy as np
 from reshard.layouts import Layout
 
 from . import graph
+from .format.encode import encode_shard
 from .format.meta import ArrayMeta
 from .format.refs import DEFAULT_OBJECT_BYTES, PACKED_DIR, check_form
-from .format.shard import encode_shard
 from .io import packed, pool
 from .io.gcpause import gc_paused
 from .io.storage import IOStats, Storage

@@ -37,6 +37,7 @@ from reshard.layouts.errors import (
 )
 
 from .format.dtypes import dtype_name, numpy_dtype
+from .format.encode import encode_shard
 from .format.grid import choose_grid
 from .format.meta import (
     DEFAULT_CHUNK_BYTES,
@@ -47,7 +48,7 @@ from .format.meta import (
 )
 from .format.refs import DEFAULT_OBJECT_BYTES, PACKED_DIR, check_form, trailer
 from .format.schema import check_names, with_digest
-from .format.shard import SMALL_SHARD_BYTES, encode_shard
+from .format.shard import SMALL_SHARD_BYTES
 from .incremental import Base, Reusable, digest
 from .io import packed, pool
 from .io.gcpause import gc_paused

@@ -17,10 +17,10 @@ import reshard.store as rs
 from reshard.layouts import Layout
 from reshard.layouts.errors import FormatError
 from reshard.store.format.consolidated import summary_seal
+from reshard.store.format.encode import _encode_chunks, encode_shard
 from reshard.store.format.grid import Grid, choose_grid
 from reshard.store.format.meta import ArrayMeta
 from reshard.store.format.schema import with_digest
-from reshard.store.format.shard import _encode_chunks, encode_shard
 
 #: These tests look at the shard files (the zarr-latest env runs them without conftest.py).
 DIRECTORY = {"form": "directory"}

@@ -1,9 +1,6 @@
-"""Shard objects: encode them, plan reads from them, run the reads.
+"""Reading shards (zarr v3 ``sharding_indexed`` objects; :mod:`.encode` writes them and describes their bytes).
 
-A shard is a zarr v3 ``sharding_indexed`` object: inner chunks one after
-another (each ``bytes`` [+ ``zstd``] [+ 4-byte ``crc32c``]), then the index
-(``(offset, nbytes)`` as little-endian uint64 per inner chunk, C order) and the
-index's own crc32c. Reading is planned first (plain records you can print),
+Reading is planned first (plain records you can print),
 then executed: adjacent chunk reads of one shard are coalesced into one request,
 and chunks that land contiguously in the destination are read straight into it.
 """
@@ -13,136 +10,21 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import crc32c as _crc
 import numpy as np
 from reshard.layouts.errors import ChecksumError, FormatError
 
 from ..io.storage import Storage
+from .encode import bytes_view, crc32c, zstd
 from .meta import MISSING, ArrayMeta
 
 Region = tuple[slice, ...]
 #: Shards up to this many bytes are read whole (index and data in one request)
 #: and written as one inner chunk.
 SMALL_SHARD_BYTES = 256 << 10
-#: Inner chunks of at least this many bytes are written from views of the caller's array (one buffer and
-#: one crc each, gathered by ``writev``); smaller ones are copied into one buffer with their crcs between.
-VIEW_CHUNK_BYTES = 64 << 10
-
-
-def crc32c(data: Any) -> int:
-    return int(_crc.crc32c(data))
-
-
-def _bytes_view(a: np.ndarray) -> memoryview:
-    flat: Any = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-    return memoryview(flat)
-
-
-def _zstd() -> Any:
-    from numcodecs import Zstd
-
-    return Zstd(level=3)
-
-
-# ------------------------------------------------------------------- encode
-def encode_chunk(data: np.ndarray, meta: ArrayMeta) -> list[Any]:
-    """Stored bytes of one chunk as a list of buffers (data [, crc32c])."""
-    view: Any = _bytes_view(data.astype(data.dtype.newbyteorder("<"), copy=False))
-    if meta.compressor == "zstd":
-        view = _zstd().encode(view)
-    if not meta.checksums:
-        return [view]
-    return [view, crc32c(view).to_bytes(4, "little")]
-
-
-def encode_shard(data: np.ndarray, meta: ArrayMeta, index_of: tuple[int, ...] | None = None) -> list[Any]:
-    """Stored bytes of one shard (``data`` is its region, clipped at array edges).
-
-    ``index_of`` is the shard's grid index (needed under a rectilinear grid,
-    where shards differ in size).
-    """
-    if not meta.shape:
-        return encode_chunk(data, meta)
-    per = meta.chunks_in(index_of) if index_of is not None else meta.chunks_per_shard
-    if data.shape == meta.chunk and math.prod(per) == 1:  # one whole chunk (every small shard): no index array
-        chunk = encode_chunk(data, meta)
-        raw = struct.pack("<QQ", 0, sum(memoryview(b).nbytes for b in chunk))
-        return [*chunk, raw, crc32c(raw).to_bytes(4, "little")]
-    if meta.compressor is None and data.shape[1:] == meta.chunk[1:] and math.prod(per[1:]) == 1:
-        return _encode_rows(data, meta, per[0])
-    return _encode_chunks(data, meta, per)
-
-
-def _encode_chunks(data: np.ndarray, meta: ArrayMeta, per: tuple[int, ...]) -> list[Any]:
-    """:func:`encode_shard`, one inner chunk at a time (``per``: chunks along each dim)."""
-    index = np.full((math.prod(per), 2), MISSING, dtype="<u8")
-    parts: list[Any] = []
-    offset = 0
-    for n, c in enumerate(itertools.product(*map(range, per))):
-        sub = tuple(
-            slice(i * k, min((i + 1) * k, s)) for i, k, s in zip(c, meta.chunk, data.shape, strict=True)
-        )
-        if any(s.start >= s.stop for s in sub):
-            continue  # wholly outside the array: left missing, as zarr does
-        piece = data[sub]
-        if piece.shape != meta.chunk:  # edge chunk: zarr stores it padded to full size
-            full = np.zeros(meta.chunk, dtype=data.dtype)
-            full[tuple(slice(0, k) for k in piece.shape)] = piece
-            piece = full
-        chunk = encode_chunk(piece, meta)
-        size = sum(memoryview(b).nbytes for b in chunk)
-        index[n] = (offset, size)
-        parts += chunk
-        offset += size
-    raw = index.tobytes()
-    return [*parts, raw, crc32c(raw).to_bytes(4, "little")]
-
-
-def _encode_rows(data: np.ndarray, meta: ArrayMeta, count: int) -> list[Any]:
-    """:func:`encode_shard` when every inner chunk is a run of whole rows of ``data`` (no compression).
-
-    The chunks are then consecutive byte ranges of ``data``: one buffer holds
-    them with their crc32c interleaved, and the index is arithmetic. This is the
-    common case (inner chunks keep trailing dims whole), and under a rectilinear
-    grid of a balanced split it is thousands of one-row chunks per shard, which
-    the general loop would encode one small array at a time.
-    """
-    rows = meta.chunk[0]
-    size = math.prod(meta.chunk) * data.dtype.itemsize
-    flat = np.ascontiguousarray(data.astype(data.dtype.newbyteorder("<"), copy=False)).reshape(-1).view(np.uint8)
-    whole = min(count, data.shape[0] // rows)  # chunks holding full rows; the rest are padded or missing
-    stored = size + (4 if meta.checksums else 0)
-    index = np.full((count, 2), MISSING, dtype="<u8")
-    if meta.checksums and size >= VIEW_CHUNK_BYTES:  # chunks as views of data, each with its crc: no copy
-        parts: list[Any] = []
-        for c in flat[: whole * size].reshape(whole, size):
-            parts += [_bytes_view(c), crc32c(c).to_bytes(4, "little")]
-    elif meta.checksums:  # many small chunks (a balanced split's one-row chunks): one buffer, crcs interleaved
-        body = np.empty((whole, stored), dtype=np.uint8)
-        chunks = flat[: whole * size].reshape(whole, size)
-        body[:, :size] = chunks
-        crcs = np.fromiter((crc32c(c) for c in chunks), dtype="<u4", count=whole)
-        body[:, size:] = crcs.view(np.uint8).reshape(whole, 4)
-        parts = [_bytes_view(body)]
-    else:
-        parts = [_bytes_view(flat[: whole * size])]
-    index[:whole, 0] = np.arange(whole, dtype="<u8") * stored
-    index[:whole, 1] = stored
-    offset = whole * stored
-    if whole < count and whole * rows < data.shape[0]:  # a last, partial chunk at the array's end
-        full = np.zeros(meta.chunk, dtype=data.dtype)
-        tail = data[whole * rows :]
-        full[: tail.shape[0]] = tail
-        chunk = encode_chunk(full, meta)
-        parts += chunk
-        index[whole] = (offset, sum(memoryview(b).nbytes for b in chunk))
-    raw = index.tobytes()
-    return [*parts, raw, crc32c(raw).to_bytes(4, "little")]
 
 
 def decode_index(data: bytes, meta: ArrayMeta, key: str, shard: tuple[int, ...] | None = None) -> np.ndarray:
@@ -377,7 +259,7 @@ def execute_mixed(storage: Storage, req: Request, targets: Sequence[Target],
     flats: dict[int, memoryview | None] = {}
     for t in targets:
         if id(t.dest) not in flats:
-            flats[id(t.dest)] = _bytes_view(t.dest) if t.dest.flags.c_contiguous else None
+            flats[id(t.dest)] = bytes_view(t.dest) if t.dest.flags.c_contiguous else None
     tails = [4 if t.meta.checksums else 0 for t in targets]
     fetched = 0
     if blob is None:
@@ -412,7 +294,7 @@ def _fetch(storage: Storage, req: Request, targets: Sequence[Target], flats: dic
         gaps = max(gaps, r.offset - pos)
         temp += 0 if r.direct else r.nbytes - tail
         pos = r.offset + r.nbytes
-    scratch = _bytes_view(np.empty(temp + gaps, dtype=np.uint8))  # not zero-filled, unlike bytearray
+    scratch = bytes_view(np.empty(temp + gaps, dtype=np.uint8))  # not zero-filled, unlike bytearray
     crcs = memoryview(bytearray(sum(tails)))
     buffers: list[memoryview] = []
     pieces = []
@@ -436,7 +318,7 @@ def _fetch(storage: Storage, req: Request, targets: Sequence[Target], flats: dic
 def _dest_bytes(dest: np.ndarray, flat: memoryview | None, r: ChunkRead, nbytes: int) -> memoryview:
     """The bytes of ``dest[r.dst]`` (a contiguous run) as a writable view."""
     if flat is None:
-        return _bytes_view(dest[r.dst])
+        return bytes_view(dest[r.dst])
     start = sum(s.start * st for s, st in zip(r.dst, dest.strides, strict=True))
     return flat[start : start + nbytes]
 
@@ -452,7 +334,7 @@ def _place(data: memoryview, r: ChunkRead, meta: ArrayMeta, dest: np.ndarray) ->
 
 def _decode_into(data: memoryview, r: ChunkRead, meta: ArrayMeta, dest: np.ndarray) -> None:
     try:
-        raw: Any = _zstd().decode(data) if meta.compressor == "zstd" else data
+        raw: Any = zstd().decode(data) if meta.compressor == "zstd" else data
         chunk = np.frombuffer(raw, dtype=meta.np_dtype.newbyteorder("<")).reshape(meta.chunk)
     except (ValueError, RuntimeError, TypeError) as e:  # zstd's errors; a size that is not the chunk's
         raise FormatError(f"tensor {meta.name!r}: chunk at byte {r.offset} of {r.key!r} does not decode to "
