@@ -98,6 +98,14 @@ def targets(rows: list[Row]) -> list[tuple[str, str, bool | None]]:
         for anchor in ("dcp", "orbax"):
             ratio(w, save, anchor, "reshard", f"{anchor} / reshard time >= 2", lambda x: x >= 2)
         ratio(w, save, "reshard", "np.save", "reshard / np.save time <= 1.5", lambda x: x <= 1.5)
+    w5 = "W5 873 x 64"
+    ours, dcp = find(rows, w5, "save, 64 rank writes (8 processes)", "reshard packed"), \
+        find(rows, w5, "save, DCP's largest world here", "dcp")
+    if ours and dcp:
+        x = dcp.m.median / ours.m.median
+        out.append((f"{w5} save: dcp (8 processes) / reshard packed (64 ranks) time >= 2", f"{x:.2f}", x >= 2))
+    ratio(w5, "first save of fresh processes (no warmup)", "dcp", "reshard packed",
+          "dcp / reshard packed time (>= 1 is better)", lambda x: x >= 1)
     blocked = "save of one rank's W1 piece, blocked"
     ratio("async", blocked, "reshard", "np.copyto", "reshard async save blocked / np.copyto time <= 1.5",
           lambda x: x <= 1.5)

@@ -306,17 +306,23 @@ class Runner:
         size = data.total_bytes(data.tensors("w5", cfg))
         base: dict[str, Any] = {"workload": "w5", "cfg": cfg}
         label, save = "W5 873 x 64", "save, 64 rank writes (8 processes)"
+        first = "first save of fresh processes (no warmup)"
         for form in ("packed", "directory"):
             url = self.dir(f"W5-{form}")
             m = self.group(label, save, f"reshard {form}", "bench.tasks_packed:SaveRanks", 8,
                            {**base, "url": url, "ranks": 64, "form": form}, size, reps=1)
             m.extra["objects"] = count_objects(url)
             self.rows[-1].note = f"{m.extra['objects']} objects"
+        self.group(label, first, "reshard packed", "bench.tasks_packed:SaveRanks", 8,
+                   {**base, "url": self.dir("W5-packed"), "ranks": 64, "form": "packed"}, size, reps=1, warmup=0,
+                   note="64 rank writes (8 processes): the per-process plans are built here")
         if "dcp" in self.opts.anchors:
             m = self.group(label, "save, DCP's largest world here", "dcp", "bench.tasks_dcp:Save", 8,
                            {**base, "mesh": [8], "url": self.dir("W5-dcp")}, size, reps=1)
             m.extra["objects"] = count_objects(self.dir("W5-dcp"))
             self.rows[-1].note = f"8 processes, {m.extra['objects']} objects"
+            self.group(label, first, "dcp", "bench.tasks_dcp:Save", 8,
+                       {**base, "mesh": [8], "url": self.dir("W5-dcp")}, size, reps=1, warmup=0, note="8 processes")
         load = "load rank 5 of 56"
         for form in ("packed", "directory"):
             m = self.group(label, load, f"reshard {form}", "bench.tasks_reshard:Load", 56,

@@ -29,11 +29,14 @@ from .format.shard import (
     ChunkRead,
     Request,
     Target,
+    WholeRead,
     coalesce,
     decode_index,
     execute,
     execute_mixed,
+    execute_whole,
     plan_reads,
+    whole_read,
 )
 from .io import packed, pool
 from .io.storage import IOStats, Storage
@@ -188,10 +191,20 @@ class Fetcher:
         shards = [[(s, k, next(found)) for _, s, k in job] for job in wanted_shards]
         ranges: list[tuple[str, int, int]] = []
         wanted: dict[str, tuple[ArrayMeta, tuple[int, ...], Location]] = {}
-        for (meta, _, _), located in zip(jobs, shards, strict=True):
+        direct: dict[str, list[WholeRead]] = {}  # small shards read straight into their destination, by object
+        direct_jobs: set[int] = set()
+        taken: set[str] = set()  # a second job wanting one of these shards takes the general path
+        ends = self.locator.spans  # the objects' ends, read with the manifests
+        for j, ((meta, region, dest), located) in enumerate(zip(jobs, shards, strict=True)):
             for shard, key, (obj, off, n) in located:
                 if not meta.shape:
                     ranges.append((obj, off, off + n))
+                elif (len(located) == 1 and n <= self.small_shard_bytes and key not in self.indexes
+                      and key not in taken and (ends is None or ends.get(obj, off, off + n) is None)
+                      and (w := whole_read(meta, shard, region, dest, key, off, n)) is not None):
+                    direct.setdefault(obj, []).append(w)
+                    direct_jobs.add(j)
+                    taken.add(key)
                 elif key not in self.indexes:
                     wanted[key] = (meta, shard, (obj, off, n))
                     whole = n <= self.small_shard_bytes  # data and index in one range
@@ -204,7 +217,9 @@ class Fetcher:
         work: list[tuple[Request, list[Target], memoryview | None]] = []
         far: list[ChunkRead] = []
         target_of: dict[int, Target] = {}
-        for (meta, region, dest), located in zip(jobs, shards, strict=True):
+        for j, ((meta, region, dest), located) in enumerate(zip(jobs, shards, strict=True)):
+            if j in direct_jobs:
+                continue
             target = Target(meta, dest)
             for shard, key, (obj, off, n) in located:
                 reads = plan_reads(meta, region, self.indexes.get(key), shard, key, dest)
@@ -225,10 +240,27 @@ class Fetcher:
         temp = LOCAL_TEMP_BYTES if root.local else None
         for req in coalesce(far, self.gap, max_temp=temp):
             work.append((req, [target_of[id(r)] for r in req.reads], None))
-        fetched = pool.run_batched([functools.partial(execute_mixed, root, *w) for w in work],
-                                   [w[0].nbytes for w in work], root.local)
-        self.storage.count(bytes_delivered=delivered, tasks=len(work))
-        far_requests = sum(1 for w in work if w[2] is None)
+        groups = [(obj, g) for obj, reads in direct.items() for g in _runs(reads, self.gap)]
+        tasks = ([functools.partial(execute_mixed, root, *w) for w in work]
+                 + [functools.partial(execute_whole, root, obj, g) for obj, g in groups])
+        sizes_ = [w[0].nbytes for w in work] + [g[-1].offset + g[-1].nbytes - g[0].offset for _, g in groups]
+        fetched = pool.run_batched(tasks, sizes_, root.local)
+        self.storage.count(bytes_delivered=delivered, tasks=len(tasks))
+        far_requests = sum(1 for w in work if w[2] is None) + len(groups)
         return IOStats(requests=located_by.requests + len(sizes) + far_requests,
                        bytes_fetched=located_by.bytes_fetched + sum(sizes) + sum(fetched),
-                       bytes_delivered=delivered, tasks=len(work))
+                       bytes_delivered=delivered, tasks=len(tasks))
+
+
+def _runs(reads: list[WholeRead], gap: int) -> list[list[WholeRead]]:
+    """Whole-shard reads of one object grouped into requests by the cost model (gaps up to ``gap``, no overlap)."""
+    reads = sorted(reads, key=lambda r: r.offset)
+    out = [[reads[0]]]
+    for r in reads[1:]:
+        first, last = out[-1][0], out[-1][-1]
+        end = last.offset + last.nbytes
+        if end <= r.offset <= end + gap and r.offset + r.nbytes - first.offset <= packed.MAX_REQUEST_BYTES:
+            out[-1].append(r)
+        else:
+            out.append([r])
+    return out

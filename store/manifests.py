@@ -16,7 +16,7 @@ import hashlib
 import json
 import math
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from reshard.layouts import Layout
@@ -30,38 +30,46 @@ from .io import pool
 from .io.storage import Storage
 
 
-def rank_manifest(rank: int, save_id: str, metas: Mapping[str, ArrayMeta], leaves: dict[str, Any]) -> dict[str, Any]:
-    """The manifest of ``rank``: its tensors' records (``"tensors"``), its leaves, the ranks the save expects."""
-    expected = sorted(set().union(*(m.layout.ranks for m in metas.values()), {rank}))
+def rank_manifest(rank: int, save_id: str, metas: Mapping[str, ArrayMeta], leaves: dict[str, Any],
+                  records: Mapping[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The manifest of ``rank``: its tensors' records (``"tensors"``), its leaves, the ranks the save expects.
+
+    ``records``: each tensor's :func:`tensor_record`, when the caller has them already.
+    """
+    by_layout = {m.layout.to_json_text(): m.layout.ranks for m in metas.values()}  # a few layouts, many tensors
     return {
         "format_version": FORMAT_VERSION,
         "rank": rank,
         "save_id": save_id,
-        "expected_ranks": expected,
-        "tensors": {
-            n: {
-                "dtype": m.dtype,
-                "chunk": list(m.chunk),
-                "shard": list(m.shard),
-                **({"edges": [list(e) for e in m.edges]} if m.edges is not None else {}),
-                "checksums": m.checksums,
-                "compressor": m.compressor,
-                "layout": m.layout.to_json(),  # last: records_json splices it
-            }
-            for n, m in metas.items()
-        },
+        "expected_ranks": sorted(set().union(*by_layout.values(), {rank})),
+        "tensors": dict(records) if records is not None else {n: tensor_record(m) for n, m in metas.items()},
         "leaves": leaves,
     }
 
 
-def records_json(records: dict[str, dict[str, Any]], metas: Mapping[str, ArrayMeta]) -> bytes:
-    """``json.dumps(records, separators=(",", ":"))``, with each record's layout (its last field) spliced in
-    from the layout's cached text: a rank's manifest repeats a few layouts over hundreds of tensors."""
-    def one(name: str, record: dict[str, Any]) -> str:
-        head = json.dumps({k: v for k, v in record.items() if k != "layout"}, separators=(",", ":"))
-        return f'{json.dumps(name)}:{head[:-1]},"layout":{metas[name].layout.to_json_text()}}}'
+def tensor_record(meta: ArrayMeta) -> dict[str, Any]:
+    """A tensor's record in a rank manifest (the layout last: :func:`record_text` splices it)."""
+    return {
+        "dtype": meta.dtype,
+        "chunk": list(meta.chunk),
+        "shard": list(meta.shard),
+        **({"edges": [list(e) for e in meta.edges]} if meta.edges is not None else {}),
+        "checksums": meta.checksums,
+        "compressor": meta.compressor,
+        "layout": meta.layout.to_json(),
+    }
 
-    return ("{" + ",".join(one(n, r) for n, r in records.items()) + "}").encode()
+
+def record_text(name: str, record: dict[str, Any], layout: Layout) -> str:
+    """``"name":{record}`` as compact JSON, the layout spliced in from its cached text (a rank's
+    manifest repeats a few layouts over hundreds of tensors)."""
+    head = json.dumps({k: v for k, v in record.items() if k != "layout"}, separators=(",", ":"))
+    return f'{json.dumps(name)}:{head[:-1]},"layout":{layout.to_json_text()}}}'
+
+
+def records_json(texts: Iterable[str]) -> bytes:
+    """The ``"tensors"`` object of a manifest from each tensor's :func:`record_text`."""
+    return ("{" + ",".join(texts) + "}").encode()
 
 
 def manifest_key(rank: int) -> str:

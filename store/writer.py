@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import math
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -32,23 +31,14 @@ from reshard.layouts import Layout
 from reshard.layouts.errors import (
     CheckpointExistsError,
     LayoutError,
-    RankError,
     ShapeMismatchError,
 )
 
-from .format.dtypes import dtype_name, numpy_dtype
+from .format.dtypes import dtype_name
 from .format.encode import encode_shard
-from .format.grid import choose_grid
-from .format.meta import (
-    DEFAULT_CHUNK_BYTES,
-    MIN_CHUNK_BYTES,
-    ArrayMeta,
-    inner_chunk_shape,
-    tensor_path,
-)
+from .format.meta import DEFAULT_CHUNK_BYTES, ArrayMeta, tensor_path
 from .format.refs import DEFAULT_OBJECT_BYTES, PACKED_DIR, check_form, trailer
 from .format.schema import check_names, with_digest
-from .format.shard import SMALL_SHARD_BYTES
 from .incremental import Base, Reusable, digest
 from .io import packed, pool
 from .io.gcpause import gc_paused
@@ -56,6 +46,7 @@ from .io.storage import Storage
 from .manifests import has_written, manifest_key, rank_manifest, records_json
 from .protocol import Marker, commit, generation_of, read_marker, save_id_of
 from .tree import LayoutSpec, flatten, resolve_layout
+from .writeplan import Settings, TensorPlan, tensor_plan
 
 #: Block writers (importers, redivide), packed form: bytes held before they go out as one data object.
 BUFFER_BYTES = 256 << 20
@@ -125,6 +116,9 @@ class CheckpointWriter:
         self.compression = compression
         self.checksums = checksums
         self.chunk_bytes = int(chunk_bytes)
+        #: What array records depend on, for many writers (index: single_writer).
+        self._settings = tuple(Settings(self.grid, self.chunk_bytes, checksums, compression, single)
+                               for single in (False, True))
         self._written: set[int] = set()
         #: ``{name: (manifest record, array record)}`` of this process's writes: the commit need not parse them again
         self._known: dict[str, tuple[dict[str, Any], ArrayMeta]] = {}
@@ -163,32 +157,18 @@ class CheckpointWriter:
         """The saving layout of tensor ``name``."""
         return resolve_layout(self.layouts, name, self.shapes.get(name, shape))
 
+    def plan(self, name: str, layout: Layout, dtype: str, single_writer: bool = False) -> TensorPlan:
+        """How a tensor is stored, and what each rank writes of it (cached per process: :mod:`..writeplan`)."""
+        return tensor_plan(name, layout, dtype, self._settings[single_writer])
+
     def meta(self, name: str, layout: Layout, dtype: str, single_writer: bool = False) -> ArrayMeta:
-        """The array record a tensor will be stored with.
+        """The array record a tensor will be stored with (:func:`reshard.store.writeplan.array_meta`).
 
         ``single_writer``: one process writes every shard of the tensor (see
         :func:`reshard.store.format.grid.choose_grid`). The shard grid is
         recorded in the manifests.
         """
-        grid = choose_grid(layout, self.grid, single_writer)
-        shard = grid.shard
-        itemsize = numpy_dtype(dtype).itemsize
-        size = math.prod(shard) * itemsize
-        # A small shard is one chunk: readers fetch it whole anyway (SMALL_SHARD_BYTES),
-        # and splitting it by divisors of a prime row count would give one chunk (and crc) per row.
-        target = min(self.chunk_bytes, size if size <= SMALL_SHARD_BYTES else max(MIN_CHUNK_BYTES, size // 16))
-        return ArrayMeta(
-            name=name,
-            shape=tuple(layout.shape),
-            dtype=dtype,
-            shard=shard,
-            chunk=inner_chunk_shape(grid.divisor(), itemsize, target),
-            layout=layout,
-            checksums=self.checksums,
-            compressor=self.compression,
-            origin=layout.origin,
-            edges=grid.edges,
-        )
+        return self.plan(name, layout, dtype, single_writer).meta
 
     # -------------------------------------------------------------- write
     @gc_paused()
@@ -209,41 +189,38 @@ class CheckpointWriter:
         if not self._checked.issuperset(tensors):
             self.check_names({*tensors, *self.names()})
             self._checked.update(tensors)
-        metas: dict[str, ArrayMeta] = {}
+        plans: dict[str, TensorPlan] = {}
         for name, value in tensors.items():
-            layout = self.layout(name)
-            if rank not in layout.ranks:
-                raise RankError(f"tensor {name!r}: rank {rank} is not among the layout's ranks")
-            arr = np.asarray(value)
-            want = layout.local_shape(rank)
-            if tuple(arr.shape) != tuple(want):
+            arr = tensors[name] = np.asarray(value)
+            plan = plans[name] = self.plan(name, self.layout(name), dtype_name(arr.dtype))
+            want = plan.at(rank).local_shape
+            if arr.shape != want:
                 raise ShapeMismatchError(
                     f"tensor {name!r} on rank {rank}: local shape {tuple(arr.shape)}, "
-                    f"layout {layout.describe()} expects {tuple(want)}"
+                    f"layout {plan.meta.layout.describe()} expects {tuple(want)}"
                 )
-            metas[name] = self.meta(name, layout, dtype_name(arr.dtype))
-            tensors[name] = arr
         missing = [n for n in self.names() if n not in tensors and rank in self.layout(n).ranks]
         if missing:
             raise LayoutError(f"rank {rank} holds {missing} by its layouts but did not pass them")
         self._check_not_written(rank)
-        pieces = [(meta, meta.layout.region(rank), tensors[name]) for name, meta in sorted(metas.items(), key=_geometry)
-                  if meta.layout.replica_id(rank) == 0]
-        manifest = rank_manifest(rank, self.save_id, metas, leaves)
-        self._known.update((name, (record, metas[name])) for name, record in manifest["tensors"].items())
+        metas = {n: p.meta for n, p in plans.items()}
+        manifest = rank_manifest(rank, self.save_id, metas, leaves, {n: p.record for n, p in plans.items()})
+        self._known.update((n, (p.record, p.meta)) for n, p in plans.items())
+        mine = [(p, tensors[n]) for n, p in sorted(plans.items(), key=_geometry) if p.at(rank).writes]
         if self.form == "packed":  # one object: the shards back to back, then the manifest
-            blobs = self._encode([s for piece in pieces for s in self._shards(*piece)])
+            blobs = self._encode([(p.meta, idx, arr[within]) for p, arr in mine for idx, within in p.at(rank).shards])
             reuse = self.base.for_rank(rank) if self.base is not None else Reusable()
             found = {key: reuse.find(key, sha) for key, _, sha in blobs}
             fresh = [(key, parts) for key, parts, _ in blobs if found[key] is None]
             objects, where = packed.plan_pack(f"{self.generation}/{PACKED_DIR}", str(rank), fresh, self.object_bytes)
             manifest["packed"] = {k: list(v) for k, v in {**found, **where}.items() if v is not None}
             manifest["hashes"] = {key: sha for key, _, sha in blobs}
-            records = records_json(manifest.pop("tensors"), metas)
+            records = records_json(plans[n].text for n in manifest.pop("tensors"))
             manifest["tensors_sha256"] = hashlib.sha256(records).hexdigest()
             packed.write_objects(self.root, objects, trailer(with_digest(manifest), records))
         else:
-            pool.run_all([job for piece in pieces for job in self._shard_jobs(*piece)], self.storage.local)
+            pool.run_all([job for p, arr in mine for job in self._shard_jobs(p.meta, p.at(rank).region, arr)],
+                         self.storage.local)
             self.storage.write_atomic(manifest_key(rank), with_digest(manifest))
         self._written.add(rank)
 
@@ -376,15 +353,15 @@ INLINE_SHARD_BYTES = 128 << 10
 DEFAULT_FORM = "packed"
 
 
-def _geometry(item: tuple[str, ArrayMeta]) -> tuple[Any, ...]:
+def _geometry(item: tuple[str, TensorPlan]) -> tuple[Any, ...]:
     """Order of a rank's shards in its data object: alike layouts and shapes side by side, then by name.
 
     A target rank of another layout needs the same part of every shard of one
     geometry, so grouping them makes its byte ranges few and long (W5: one rank
     of 56 from 64 reads whole runs of shards, not every other shard).
     """
-    name, meta = item
-    lay = meta.layout
+    name, plan = item
+    lay = plan.meta.layout
     return lay.ranks, lay.mesh, lay.dims, lay.split, lay.nested, lay.opt_shard or 0, lay.shape, name
 
 

@@ -315,7 +315,72 @@ def test_records_json_is_the_json_of_the_records(tmp_path):
 
     full, layouts = state_and_layouts()
     writer = rs.create(str(tmp_path / "ck"), layouts)
-    metas = {n: writer.meta(n, lay, str(full[n].dtype)) for n, lay in layouts.items()}
-    records = rank_manifest(0, writer.save_id, metas, {})["tensors"]
-    assert records_json(records, metas) == json.dumps(records, separators=(",", ":")).encode()
-    assert json.loads(records_json(records, metas)) == records
+    plans = {n: writer.plan(n, lay, str(full[n].dtype)) for n, lay in layouts.items()}
+    records = rank_manifest(0, writer.save_id, {n: p.meta for n, p in plans.items()}, {})["tensors"]
+    text = records_json(plans[n].text for n in records)
+    assert text == json.dumps(records, separators=(",", ":")).encode()
+    assert json.loads(text) == records
+
+
+def test_writer_plans_are_shared_and_keyed_by_everything_they_depend_on(tmp_path):
+    """A later writer with the same layouts reuses the plans; another dtype, chunk size or origin gets its own."""
+    full, layouts = state_and_layouts()
+    name, lay = next(iter(layouts.items()))
+    dtype = str(full[name].dtype)
+    one = rs.create(str(tmp_path / "a"), layouts)
+    two = rs.create(str(tmp_path / "b"), layouts, save_id="other")
+    assert one.plan(name, lay, dtype) is two.plan(name, lay, dtype)
+    assert one.plan(name, lay, dtype).at(lay.ranks[0]) is two.plan(name, lay, dtype).at(lay.ranks[0])
+    small = rs.create(str(tmp_path / "c"), layouts, chunk_bytes=4096)
+    assert small.plan(name, lay, dtype) is not one.plan(name, lay, dtype)
+    assert one.plan(name, lay, "float64").meta.dtype == "float64"
+    tagged = Layout(lay.shape, lay.mesh, lay.ranks, lay.dims, lay.split, lay.nested, origin={"framework": "test"})
+    assert tagged == lay  # origin is not compared, but it is stored: the plan must carry the right one
+    assert one.plan(name, tagged, dtype).meta.origin == {"framework": "test"}
+    assert one.plan(name, lay, dtype).meta.origin == lay.origin
+
+
+def test_small_shards_are_read_straight_into_their_arrays_and_still_checked(tmp_path, monkeypatch):
+    """Small one-chunk shards go straight into their arrays (one request for many), and the crc and the index
+    are still checked: a flipped data byte, an index saying "missing" or another chunk size are refused."""
+    import struct
+
+    import reshard.store.fetch as fetch
+    from reshard.store.format.encode import crc32c
+
+    full = {f"p{i}": RNG.standard_normal((60 + i % 5, 256)).astype(np.float32) for i in range(30)}  # 2 MB
+    url = str(tmp_path / "ck")
+    rs.save(full, url)
+    direct: list[int] = []
+    execute_whole = fetch.execute_whole
+    monkeypatch.setattr(fetch, "execute_whole", lambda s, obj, reads: direct.append(len(reads)) or
+                        execute_whole(s, obj, reads))
+    ckpt = rs.open(url)
+    got = ckpt.read_all()
+    for name, arr in full.items():
+        np.testing.assert_array_equal(got[name], arr)
+    assert ckpt.last_stats.requests <= 3  # the manifest, then one request for the 30 shards
+    assert len(direct) == 1 and direct[0] >= 30 - 5  # one request; the last 256 KiB came with the manifest
+    meta, part = ckpt.arrays["p1"], got["p1"][:30]
+    assert fetch.whole_read(meta, (0, 0), (slice(0, 30), slice(0, 256)), part, "p1/c/0/0", 0, part.nbytes + 24) is None
+    refs = json.loads((pathlib.Path(ckpt.zarr_url) / "refs.json").read_bytes())["refs"]
+    obj, off, _ = refs["p7/c/0/0"]
+    data = pathlib.Path(ckpt.zarr_url) / obj.split("/", 2)[2]  # "{{root}}/gen-.../packed/0.bin"
+    original = data.read_bytes()
+    body = full["p7"].nbytes
+
+    def damaged(at: int, new: bytes) -> None:
+        raw = bytearray(original)
+        raw[off + at : off + at + len(new)] = new
+        data.write_bytes(bytes(raw))
+
+    damaged(5, bytes([original[off + 5] ^ 0x10]))
+    with pytest.raises(rs.ChecksumError, match="p7"):
+        rs.open(url).read_all()
+    for index, error in (((2**64 - 1, 2**64 - 1), "missing"), ((0, body), "bytes where")):
+        raw_index = struct.pack("<QQ", *index)
+        damaged(body + 4, raw_index + crc32c(raw_index).to_bytes(4, "little"))
+        with pytest.raises(rs.FormatError, match=error):
+            rs.open(url).read_all()
+    data.write_bytes(original)
+    np.testing.assert_array_equal(rs.open(url)["p7"].read(), full["p7"])

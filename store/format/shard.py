@@ -340,3 +340,79 @@ def _decode_into(data: memoryview, r: ChunkRead, meta: ArrayMeta, dest: np.ndarr
         raise FormatError(f"tensor {meta.name!r}: chunk at byte {r.offset} of {r.key!r} does not decode to "
                           f"{meta.dtype}{list(meta.chunk)} ({e})") from None
     dest[r.dst] = chunk[r.src]
+
+
+# ------------------------------------------------------- small shards, direct
+class WholeRead(NamedTuple):
+    """A small one-chunk shard read straight into its destination (see :func:`whole_read`).
+
+    ``offset``/``nbytes`` locate the shard in its object; ``body`` is the chunk's
+    bytes in the destination, ``region`` the shard's region (for the general path).
+    """
+
+    meta: ArrayMeta
+    key: str
+    shard: tuple[int, ...]
+    offset: int
+    nbytes: int
+    body: memoryview
+    dest: np.ndarray
+    region: Region
+
+
+def whole_read(meta: ArrayMeta, shard: tuple[int, ...], region: Region, dest: np.ndarray, key: str,
+               offset: int, nbytes: int) -> WholeRead | None:
+    """A :class:`WholeRead` of a shard whose bytes can be laid out one way only, else None.
+
+    That is a shard of one uncompressed chunk, wanted whole (``region`` is the
+    shard's, unclipped), into a C-contiguous destination of the stored dtype,
+    whose stored length is the chunk, its crc and the index: then the chunk is
+    the first bytes and is read straight into the destination. What the index
+    says is checked after the read (:func:`execute_whole`).
+    """
+    if meta.compressor is not None or not meta.shape or not dest.flags.c_contiguous or dest.dtype != meta.np_dtype:
+        return None
+    ext = meta.chunk_grid.extent(shard)
+    if ext != meta.chunk or ext != dest.shape or nbytes != dest.nbytes + _tail(meta) + meta.index_nbytes(shard):
+        return None
+    if meta.shard_region(shard) != tuple(region):
+        return None
+    return WholeRead(meta, key, shard, offset, nbytes, bytes_view(dest), dest, region)
+
+
+def _tail(meta: ArrayMeta) -> int:
+    return 4 if meta.checksums else 0
+
+
+def execute_whole(storage: Storage, obj: str, reads: Sequence[WholeRead]) -> int:
+    """Read shards of object ``obj`` (by offset, none overlapping) with one ``read_into``: each chunk
+    straight into its destination, crcs, indexes and gaps into scratch; then check each shard.
+
+    A shard whose index does not say "one chunk at 0" (valid, but not how reshard
+    writes) is decoded the general way from its bytes. Returns the bytes fetched.
+    """
+    tails = [r.nbytes - r.body.nbytes for r in reads]
+    gaps = [b.offset - (a.offset + a.nbytes) for a, b in itertools.pairwise(reads)]
+    scratch = memoryview(bytearray(sum(tails) + max(gaps, default=0)))
+    buffers: list[memoryview] = []
+    ends, at = [], max(gaps, default=0)  # scratch[:max gap] takes every gap in turn
+    for r, tail, gap in zip(reads, tails, [0, *gaps], strict=True):
+        if gap:
+            buffers.append(scratch[:gap])
+        ends.append(scratch[at : at + tail])
+        buffers += [r.body, ends[-1]]
+        at += tail
+    start = reads[0].offset
+    storage.read_into(obj, start, buffers)
+    for r, end in zip(reads, ends, strict=True):
+        crc = _tail(r.meta)
+        index = decode_index(bytes(end[crc:]), r.meta, r.key, r.shard)
+        if index.shape != (1, 2) or index[0, 0] != 0 or index[0, 1] != r.body.nbytes + crc:
+            blob = memoryview(bytes(r.body) + bytes(end))
+            reads_ = plan_reads(r.meta, r.region, index, r.shard, r.key, r.dest)
+            execute_mixed(storage, Request(r.key, 0, r.nbytes, tuple(reads_)), [Target(r.meta, r.dest)] * len(reads_),
+                          blob)
+        elif crc and crc32c(r.body) != int.from_bytes(end[:4], "little"):
+            raise ChecksumError(f"tensor {r.meta.name!r}: shard {r.key!r} at byte {r.offset} of {storage.url}/{obj} "
+                                "fails its crc32c (corrupted data)")
+    return reads[-1].offset + reads[-1].nbytes - start
