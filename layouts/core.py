@@ -187,11 +187,20 @@ class Layout:
 
     def region(self, rank: int) -> tuple[slice, ...]:
         """Global region held by `rank`, as ``slice(start, stop)`` per dim."""
+        if self._one_whole(rank):
+            return tuple(slice(0, n) for n in self.shape)
         return tuple(slice(lo, hi) for lo, hi in self._info.bounds(self._pos(rank)))
 
     def local_shape(self, rank: int) -> tuple[int, ...]:
         """Shape of `rank`'s local array."""
+        if self._one_whole(rank):
+            return self.shape
         return tuple(hi - lo for lo, hi in self._info.bounds(self._pos(rank)))
+
+    def _one_whole(self, rank: int) -> bool:
+        """Whether this is one rank's whole tensor and `rank` is that rank (a quick answer without the block
+        table: an integration builds one such layout per tensor)."""
+        return len(self.ranks) == 1 and rank == self.ranks[0] and self._whole
 
     def replica_id(self, rank: int) -> int:
         """0 for the rank that writes its region, 1, 2... for the other holders.
@@ -255,6 +264,8 @@ class Layout:
         point = tuple(point)
         if len(point) != self.ndim or not all(0 <= x < n for x, n in zip(point, self.shape, strict=True)):
             raise LayoutError(f"point {list(point)} lies outside shape {list(self.shape)}")
+        if self._whole:  # every rank holds the whole tensor: replica 0 is the first
+            return self.ranks[0]
         starts = self._piece_starts
         if starts is not None:  # mesh layouts: the piece of each dim, then the cell's first holder
             cell = tuple(index[bisect.bisect_right(lo, x) - 1] for (lo, index), x in zip(starts, point, strict=True))
@@ -311,7 +322,15 @@ class Layout:
     @classmethod
     def single(cls, shape: Sequence[int], rank: int = 0) -> Layout:
         """One device, `rank`, holds the whole tensor."""
-        return cls(tuple(shape), (1,), (rank,))
+        if cls is not Layout:
+            return cls(tuple(shape), (1,), (rank,))
+        # the fields __post_init__ would give, without its checks (none can fail here beyond the ints):
+        # an integration builds one such layout per tensor
+        shape, (rank,) = _ints(shape, "shape"), _ints((rank,), "rank")
+        obj = object.__new__(cls)
+        obj.__dict__.update(shape=shape, mesh=(1,), ranks=(rank,), dims=((),) * len(shape), split="even",
+                            nested=False, opt_shard=None, explicit=None, origin=None)
+        return obj
 
     @classmethod
     def from_mindspore(

@@ -112,6 +112,12 @@ def from_json(obj: Any) -> Layout:
         raise FormatError(f"layout JSON opt_shard must be an int or null, got {opt!r}")
     if origin is not None and not isinstance(origin, dict):
         raise FormatError(f"layout JSON origin must be an object or null, got {origin!r}")
+    if (mesh == [1] and blocks is None and opt is None and origin is None and split == "even" and not nested
+            and isinstance(ranks, list) and len(ranks) == 1 and type(ranks[0]) is int and ranks[0] >= 0
+            and all(a == [] for a in dims)):  # one rank's whole tensor (the most common record): no checks left
+        shape = _int_list(obj.get("shape"), "shape")
+        if len(dims) == len(shape) and all(n >= 0 for n in shape):
+            return Layout.single(shape, ranks[0])
     try:
         return Layout(
             shape=tuple(_int_list(obj.get("shape"), "shape")),

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reshard.layouts import Layout, LayoutError, plan
+from reshard.layouts.errors import RankError
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -215,3 +216,22 @@ def test_owner_is_the_writer_of_the_block(lay, rnd):
         assert lay.owner(corner) == writer[0] == lay.owner(inside)
     with pytest.raises(LayoutError):
         lay.owner(tuple(lay.shape) if lay.ndim else (0,))
+
+
+@SETTINGS
+@given(st.lists(st.integers(0, 9), max_size=4), st.integers(0, 2000))
+def test_single_is_the_checked_constructor_and_answers_quickly_alike(shape, rank):
+    """Layout.single builds its fields directly and whole one-rank layouts answer without the block table:
+    the same layout, JSON and answers as the checked constructor's."""
+    fast, checked = Layout.single(shape, rank), Layout(tuple(shape), (1,), (rank,))
+    assert fast == checked and hash(fast) == hash(checked) and fast.to_json() == checked.to_json()
+    fields = [f for f in vars(checked) if not f.startswith("_")]
+    assert [getattr(fast, f) for f in fields] == [getattr(checked, f) for f in fields]
+    want = tuple(slice(lo, hi) for lo, hi in checked._info.bounds(checked._pos(rank)))
+    assert fast.region(rank) == want and fast.local_shape(rank) == tuple(s.stop - s.start for s in want)
+    with pytest.raises(RankError):
+        fast.region(rank + 1)
+    if all(shape):
+        assert fast.owner(tuple(n - 1 for n in shape)) == rank
+    with pytest.raises(LayoutError):
+        Layout.single([-1, *shape])
