@@ -298,3 +298,31 @@ def test_cuda_tensors_are_staged_through_pinned_buffers(tmp_path):
         mgr.wait(committed=True, timeout=60)
         assert mgr.staging._free[0][0].pinned
         np.testing.assert_array_equal(mgr.open()["w"].read(), src.cpu().numpy())
+
+
+def test_staging_copies_large_states_in_pieces_on_the_pool(monkeypatch):
+    """A state over PARALLEL_BYTES is copied in pieces by the pool's threads: every byte lands, the
+    non-contiguous and small arrays too, and the copy is the caller's no longer (mutating it changes nothing)."""
+    import threading
+
+    from reshard.store.manager import staging
+
+    monkeypatch.setattr(staging, "PARALLEL_BYTES", 1 << 16)
+    monkeypatch.setattr(staging, "PIECE_BYTES", 1 << 12)
+    monkeypatch.setattr(staging.os, "cpu_count", lambda: 2)
+    rng = np.random.default_rng(5)
+    state = {"big": rng.standard_normal((64, 300)).astype(np.float32),  # 75 KiB: 19 pieces
+             "strided": rng.standard_normal((40, 60))[:, ::2],
+             "small": np.arange(7, dtype=np.int16)}
+    want = {n: a.copy() for n, a in state.items()}
+    threads: set[str] = set()
+    copyto = np.copyto
+    monkeypatch.setattr(staging.np, "copyto", lambda d, s: threads.add(threading.current_thread().name) or copyto(d, s))
+    assert len(staging._copy_jobs(state["big"], np.empty_like(state["big"]))) == 19
+    staged = staging.StagingPool().stage(0, state)
+    for a in state.values():
+        a[...] = 0
+    for name, arr in want.items():
+        np.testing.assert_array_equal(staged.arrays[name], arr)
+    assert threads and all(t.startswith("reshard-io") for t in threads)
+    staged.release()

@@ -28,11 +28,12 @@ import numpy as np
 from ..io import pool
 from ..reader import allocate
 
-#: States from this many bytes are copied by the I/O pool's threads, in pieces of ``PIECE_BYTES``,
-#: on machines of at least ``PARALLEL_CORES`` cores (measured on 2 busy cores: 128 MiB serially
-#: 0.034 s median, by 2 threads 0.040 s, ``np.copyto`` 0.040 s; threads only help with cores to spare).
+#: States from this many bytes are copied by the I/O pool's threads (one per core), in pieces of
+#: ``PIECE_BYTES``, on machines of at least ``PARALLEL_CORES`` cores. Threads help when cores are free,
+#: as the host's are while a GPU trains: 128 MiB on 2 idle cores, 23 ms by one thread, 11 ms by two;
+#: on 2 cores busy with other work they cost a little (34 ms serially, 40 ms by two).
 PARALLEL_BYTES = 16 << 20
-PARALLEL_CORES = 4
+PARALLEL_CORES = 2
 PIECE_BYTES = 8 << 20
 
 
