@@ -282,6 +282,9 @@ def merge_packed(url: str, manifests: dict[int, dict[str, Any]],
                  metas: dict[str, ArrayMeta]) -> dict[str, tuple[str, int, int]] | None:
     """Where every shard's bytes are, from the manifests of a packed save; None for the directory form.
 
+    Every shard of every tensor of ``metas`` (by tensor, then C order of its grid), and nothing else:
+    an entry no tensor's grid names is left out of the references.
+
     Raises
     ------
     FormatError
@@ -292,19 +295,21 @@ def merge_packed(url: str, manifests: dict[int, dict[str, Any]],
         raise FormatError(f"{url}: the ranks wrote different storage forms (some packed, some directory)")
     if forms != {"packed"}:
         return None
-    located: dict[str, tuple[str, int, int]] = {}
+    packed: dict[str, Any] = {}
     for rank in sorted(manifests):
-        try:
-            for key, (obj, offset, length) in manifests[rank]["packed"].items():
-                if not isinstance(obj, str) or not isinstance(offset, int) or not isinstance(length, int):
-                    raise TypeError(key)
-                located[key] = (obj, offset, length)
-        except (AttributeError, TypeError, ValueError) as e:
-            raise FormatError(f"{url}: rank {rank}'s manifest has a malformed packed record ({e})") from None
+        if not isinstance(manifests[rank]["packed"], dict):
+            raise FormatError(f"{url}: rank {rank}'s manifest has a malformed packed record (not an object)")
+        packed.update(manifests[rank]["packed"])
+    located: dict[str, tuple[str, int, int]] = {}  # every shard of every tensor, in order; nothing else
     for meta in metas.values():
-        for idx in meta.shards_in(tuple(slice(0, n) for n in meta.shape)):
-            if meta.shard_key(idx) not in located:
-                raise FormatError(f"{url}: tensor {meta.name!r}: no rank wrote shard {meta.shard_key(idx)!r}")
+        for key in meta.shard_keys():
+            loc = packed.get(key)
+            if loc is None:
+                raise FormatError(f"{url}: tensor {meta.name!r}: no rank wrote shard {key!r}")
+            if type(loc) is not list or len(loc) != 3 or type(loc[0]) is not str or type(loc[1]) is not int \
+                    or type(loc[2]) is not int:
+                raise FormatError(f"{url}: the manifests have a malformed packed record of {key!r}: {loc!r}")
+            located[key] = (loc[0], loc[1], loc[2])
     return located
 
 

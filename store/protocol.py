@@ -43,7 +43,7 @@ from .format.meta import (
     escape_component,
     group_json,
 )
-from .format.refs import FORMS, REFS_KEY
+from .format.refs import FORMS, REFS_KEY, objects_of
 from .format.refs import build as build_references
 from .format.schema import (
     check_component,
@@ -344,7 +344,7 @@ def check_reused(root: Storage, generation: str, located: dict[str, tuple[str, i
     CheckpointNotFoundError
         If one is gone (its save was deleted by retention or ``gc`` meanwhile).
     """
-    reused = sorted({obj for obj, _, _ in located.values() if not obj.startswith(f"{generation}/")})
+    reused = sorted(obj for obj in objects_of(located) if not obj.startswith(f"{generation}/"))
     found = pool.run_all([functools.partial(root.has, obj) for obj in reused], root.local)  # GETs, no listing
     gone = [obj for obj, there in zip(reused, found, strict=True) if not there]
     if gone:

@@ -30,7 +30,7 @@ from reshard.layouts.errors import (
 )
 
 from .format.meta import ArrayMeta, stored_name
-from .format.refs import REFS_KEY, References, templates_for
+from .format.refs import REFS_KEY, References, objects_of, templates_for
 from .format.schema import check_group, check_root, loads_json
 from .io.storage import Storage
 from .locate import read_references
@@ -313,8 +313,9 @@ def _check_references(gen: Storage, manifests: dict[int, dict[str, Any]], metas:
     odd = sorted(k for k in refs.keys - set(located) if k != "zarr.json" and not k.endswith("/zarr.json"))
     if odd:
         report.add("references", where, f"keys that are neither zarr documents nor shards: {odd[:3]}")
-    if refs.templates != templates_for(located):
-        report.add("references", where, f"templates {refs.templates!r:.80} where {templates_for(located)} is "
+    templates = templates_for(objects_of(located))
+    if refs.templates != templates:
+        report.add("references", where, f"templates {refs.templates!r:.80} where {templates} is "
                                          "right: fsspec's reference:// resolves the shard urls with them")
 
 

@@ -384,3 +384,24 @@ def test_small_shards_are_read_straight_into_their_arrays_and_still_checked(tmp_
             rs.open(url).read_all()
     data.write_bytes(original)
     np.testing.assert_array_equal(rs.open(url)["p7"].read(), full["p7"])
+
+
+def test_references_name_every_shard_in_order_and_nothing_else(tmp_path):
+    """merge_packed keeps the shards of the tensors, by tensor then grid order: a manifest entry for any other
+    key (a hostile "zarr.json" would replace the root document in the references) is left out."""
+    from reshard.store.manifests import merge_packed
+
+    full, layouts = state_and_layouts()
+    url = str(tmp_path / "ck")
+    writer = write_ranks(url, full, layouts, [0, 1, 2, 3])
+    metas = {n: writer.meta(n, lay, str(full[n].dtype)) for n, lay in layouts.items()}
+    manifests = {r: {"packed": {k: ["packed/x.bin", 8 * i, 8] for i, k in enumerate(m.shard_keys())}}
+                 for r, m in enumerate(metas.values())}
+    manifests[0]["packed"]["zarr.json"] = ["packed/x.bin", 0, 8]
+    located = merge_packed(url, manifests, metas)
+    assert list(located) == [k for m in metas.values() for k in m.shard_keys()]
+    assert [m.shard_key(idx) for m in metas.values() for idx in m.shards_in(tuple(slice(0, n) for n in m.shape))] \
+        == list(located)
+    manifests[1]["packed"][next(iter(metas["model.b"].shard_keys()))] = ["packed/x.bin", True, 8]
+    with pytest.raises(rs.FormatError, match="malformed packed record"):
+        merge_packed(url, manifests, metas)

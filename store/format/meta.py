@@ -7,6 +7,7 @@ version of every rule in this module.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import re
 from collections.abc import Callable, Iterator
@@ -291,6 +292,15 @@ class ArrayMeta:
     def shard_key(self, index: tuple[int, ...]) -> str:
         """Storage key (relative to the checkpoint root) of the shard at ``index``."""
         return "/".join([self.path, "c", *map(str, index)])
+
+    def shard_keys(self) -> Iterator[str]:
+        """Every shard's key, in C order of the grid (:meth:`shard_key` of each index)."""
+        if not self.shape:
+            yield self.shard_key(())
+            return
+        head = f"{self.path}/c/"
+        for parts in itertools.product(*([str(i) for i in range(n)] for n in self.grid)):
+            yield head + "/".join(parts)
 
     def shard_region(self, index: tuple[int, ...]) -> tuple[slice, ...]:
         """Global region of a shard, clipped to the array."""

@@ -26,7 +26,7 @@ or, for an incremental save whose base is a checkpoint beside it (a manager's
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,12 +110,18 @@ def build(documents: Mapping[str, bytes], shards: Mapping[str, Location]) -> byt
         ``{zarr key: JSON bytes}``: the root ``zarr.json`` and every array's
         and group's ``<path>/zarr.json``.
     shards : mapping
-        ``{shard key: (object key relative to the root, offset, length)}``.
+        ``{shard key: (object key relative to the root, offset, length)}``, written in
+        the order given (a commit gives them by tensor, then C order of the grid).
     """
     refs: dict[str, Any] = {k: v.decode() for k, v in documents.items()}
-    urls = {obj: _PARENT + obj[3:] if obj.startswith("../") else _PREFIX + obj for obj, _, _ in shards.values()}
-    refs.update((key, [urls[obj], int(offset), int(length)]) for key, (obj, offset, length) in sorted(shards.items()))
-    return json.dumps({"version": 1, "templates": templates_for(shards), "refs": refs}, separators=(",", ":")).encode()
+    urls = {obj: _PARENT + obj[3:] if obj.startswith("../") else _PREFIX + obj for obj in objects_of(shards)}
+    refs.update((key, [urls[obj], offset, length]) for key, (obj, offset, length) in shards.items())
+    return json.dumps({"version": 1, "templates": templates_for(urls), "refs": refs}, separators=(",", ":")).encode()
+
+
+def objects_of(shards: Mapping[str, Location]) -> set[str]:
+    """The objects ``shards`` lie in (a few per rank, for tens of thousands of shards)."""
+    return {loc[0] for loc in shards.values()}
 
 
 @dataclass(frozen=True)
@@ -194,8 +200,9 @@ def parse(url: str, raw: bytes) -> References:
     return References(root.encode(), shards, url, frozenset(refs), doc.get("templates"))
 
 
-def templates_for(shards: Mapping[str, Location]) -> dict[str, str]:
-    """The ``templates`` of a references file locating ``shards`` (``parent`` once one lies beside the root)."""
-    if any(obj.startswith("../") for obj, _, _ in shards.values()):
+def templates_for(objects: Iterable[str]) -> dict[str, str]:
+    """The ``templates`` of a references file locating shards in ``objects`` (``parent`` once one lies beside
+    the root; see :func:`objects_of`)."""
+    if any(obj.startswith("../") for obj in objects):
         return {ROOT_TEMPLATE: ".", PARENT_TEMPLATE: ".."}
     return {ROOT_TEMPLATE: "."}
