@@ -405,3 +405,4 @@ def test_references_name_every_shard_in_order_and_nothing_else(tmp_path):
     manifests[1]["packed"][next(iter(metas["model.b"].shard_keys()))] = ["packed/x.bin", True, 8]
     with pytest.raises(rs.FormatError, match="malformed packed record"):
         merge_packed(url, manifests, metas)
+
