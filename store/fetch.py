@@ -181,7 +181,9 @@ class Fetcher:
 
         First the ranges of what is not cached yet (a small shard whole, a big
         one's index at the end of its range), merged per object into requests;
-        then the chunk reads not served from those bytes, merged again.
+        then the chunk reads not served from those bytes, merged again. A small
+        shard of one chunk that a job wants whole skips the first step: it is read
+        straight into the job's array (:func:`reshard.store.format.shard.execute_whole`).
         """
         assert self.locator is not None
         root = self.root
@@ -243,8 +245,8 @@ class Fetcher:
         groups = [(obj, g) for obj, reads in direct.items() for g in _runs(reads, self.gap)]
         tasks = ([functools.partial(execute_mixed, root, *w) for w in work]
                  + [functools.partial(execute_whole, root, obj, g) for obj, g in groups])
-        sizes_ = [w[0].nbytes for w in work] + [g[-1].offset + g[-1].nbytes - g[0].offset for _, g in groups]
-        fetched = pool.run_batched(tasks, sizes_, root.local)
+        task_bytes = [w[0].nbytes for w in work] + [g[-1].offset + g[-1].nbytes - g[0].offset for _, g in groups]
+        fetched = pool.run_batched(tasks, task_bytes, root.local)
         self.storage.count(bytes_delivered=delivered, tasks=len(tasks))
         far_requests = sum(1 for w in work if w[2] is None) + len(groups)
         return IOStats(requests=located_by.requests + len(sizes) + far_requests,

@@ -344,6 +344,10 @@ def _decode_into(data: memoryview, r: ChunkRead, meta: ArrayMeta, dest: np.ndarr
 
 
 # ------------------------------------------------------- small shards, direct
+#: A one-chunk shard's index: the chunk's offset and length.
+_ONE_CHUNK = struct.Struct("<QQ")
+
+
 class WholeRead(NamedTuple):
     """A small one-chunk shard read straight into its destination (see :func:`whole_read`).
 
@@ -381,9 +385,6 @@ def whole_read(meta: ArrayMeta, shard: tuple[int, ...], region: Region, dest: np
     return WholeRead(meta, key, shard, offset, nbytes, bytes_view(dest), dest, region)
 
 
-_ONE_CHUNK = struct.Struct("<QQ")
-
-
 def _tail(meta: ArrayMeta) -> int:
     return 4 if meta.checksums else 0
 
@@ -414,8 +415,8 @@ def execute_whole(storage: Storage, obj: str, reads: Sequence[WholeRead]) -> int
         if end[crc:] != expected + crc32c(expected).to_bytes(4, "little"):  # then decode it, checked
             index = decode_index(bytes(end[crc:]), r.meta, r.key, r.shard)
             blob = memoryview(bytes(r.body) + bytes(end))
-            reads_ = plan_reads(r.meta, r.region, index, r.shard, r.key, r.dest)
-            execute_mixed(storage, Request(r.key, 0, r.nbytes, tuple(reads_)), [Target(r.meta, r.dest)] * len(reads_),
+            planned = plan_reads(r.meta, r.region, index, r.shard, r.key, r.dest)
+            execute_mixed(storage, Request(r.key, 0, r.nbytes, tuple(planned)), [Target(r.meta, r.dest)] * len(planned),
                           blob)
         elif crc and crc32c(r.body) != int.from_bytes(end[:4], "little"):
             raise ChecksumError(f"tensor {r.meta.name!r}: shard {r.key!r} at byte {r.offset} of {storage.url}/{obj} "
