@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from reshard.layouts.errors import FormatError, StorageError
 
+from .format.encode import plain_index, stored_bytes
 from .format.meta import ArrayMeta
 from .format.refs import Location
 from .format.shard import (
@@ -93,6 +94,10 @@ class Fetcher:
         #: Shards up to this size are fetched whole, in one request with their index.
         self.small_shard_bytes = SMALL_SHARD_BYTES
         self.indexes: dict[str, np.ndarray] = {} if indexes is None else indexes
+        #: Packed form: fetch a large uncompressed shard's index even though its length shows the chunks lie
+        #: as reshard writes them (:func:`reshard.store.format.encode.plain_index`). ``verify`` sets it: it
+        #: checks every index; a load needs only the chunks, each checked by its crc32c.
+        self.read_indexes = False
 
     @property
     def url(self) -> str:
@@ -180,7 +185,8 @@ class Fetcher:
         """:meth:`read_regions` for the packed form: byte ranges of data objects, merged by the cost model.
 
         First the ranges of what is not cached yet (a small shard whole, a big
-        one's index at the end of its range), merged per object into requests;
+        one's index at the end of its range, unless the shard's length shows its
+        chunks lie as reshard writes them), merged per object into requests;
         then the chunk reads not served from those bytes, merged again. A small
         shard of one chunk that a job wants whole skips the first step: it is read
         straight into the job's array (:func:`reshard.store.format.shard.execute_whole`).
@@ -208,6 +214,11 @@ class Fetcher:
                     direct_jobs.add(j)
                     taken.add(key)
                 elif key not in self.indexes:
+                    if n > self.small_shard_bytes and meta.compressor is None and not self.read_indexes:
+                        index = plain_index(meta, shard)
+                        if stored_bytes(meta, index) == n:  # laid out as reshard writes it: no index round trip
+                            self.indexes[key] = index
+                            continue
                     wanted[key] = (meta, shard, (obj, off, n))
                     whole = n <= self.small_shard_bytes  # data and index in one range
                     ranges.append((obj, off if whole else off + n - meta.index_nbytes(shard), off + n))

@@ -320,6 +320,7 @@ def _check_references(gen: Storage, manifests: dict[int, dict[str, Any]], metas:
 
 
 def _check_data(ckpt: Checkpoint, report: VerifyReport, progress: Callable[[int], None] | None) -> None:
+    ckpt.fetcher.read_indexes = True  # every shard's index too, not only its chunks
     for name, meta in ckpt.arrays.items():
         try:
             for region in _slabs(meta):

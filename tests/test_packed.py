@@ -406,3 +406,67 @@ def test_references_name_every_shard_in_order_and_nothing_else(tmp_path):
     with pytest.raises(rs.FormatError, match="malformed packed record"):
         merge_packed(url, manifests, metas)
 
+
+
+@pytest.mark.parametrize("grid", ["exact", "regular"])
+@pytest.mark.parametrize("checksums", [True, False])
+def test_plain_index_is_the_index_the_encoder_writes(grid, checksums):
+    """plain_index (what a load assumes of a large uncompressed shard) equals the index encode_shard writes, for
+    regular grids with clipped edge shards, rectilinear grids, row chunks and general chunks."""
+    from reshard.store.format.encode import encode_shard, plain_index, stored_bytes
+    from reshard.store.format.shard import decode_index
+
+    count = 0
+    for shape, mesh, split, chunk_bytes in [((100, 7), (3,), "ceil", 256), ((100, 7), (3,), "balanced", 64),
+                                            ((37,), (4,), "balanced", 64), ((30, 5, 3), (4,), "ceil", 256),
+                                            ((64, 24), (3,), "balanced", 1 << 20), ((30, 5, 3), (1,), "ceil", 64)]:
+        layout = Layout(shape, mesh, dims=((0,),) + ((),) * (len(shape) - 1), split=split)
+        writer = rs.create("unused", {}, chunk_bytes=chunk_bytes, checksums=checksums, grid=grid)
+        meta = writer.meta("t", layout, "float32")
+        data = RNG.standard_normal(shape).astype(np.float32)
+        for idx in meta.shards_in(tuple(slice(0, n) for n in shape)):
+            raw = b"".join(memoryview(p).cast("B").tobytes() for p in encode_shard(data[meta.shard_region(idx)], meta,
+                                                                                    idx))
+            want = plain_index(meta, idx)
+            np.testing.assert_array_equal(decode_index(raw[-meta.index_nbytes(idx):], meta, "t", idx), want)
+            assert stored_bytes(meta, want) == len(raw)
+            count += 1
+    assert count >= 18
+
+
+def test_large_shards_load_without_their_index_and_verify_still_checks_it(tmp_path, monkeypatch):
+    """A large uncompressed shard whose length shows the encoder's layout is read without fetching its index
+    (one round trip fewer); its chunks are still crc-checked, and verify still reads and checks every index."""
+    import reshard.store.fetch as fetch
+
+    layouts = {f"t{i}": Layout.from_dtensor((2,), ["S(0)"], (1024, 256)) for i in range(4)}  # 512 KiB shards
+    full = {n: RNG.standard_normal((1024, 256)).astype(np.float32) for n in layouts}
+    url = str(tmp_path / "ck")
+    write_ranks(url, full, layouts, [0, 1]).commit()
+    decoded: list[str] = []
+    decode_index = fetch.decode_index
+    monkeypatch.setattr(fetch, "decode_index", lambda data, meta, key, shard=None: decoded.append(key) or
+                        decode_index(data, meta, key, shard))
+    target = {n: Layout.from_dtensor((3,), ["S(0)"], (1024, 256)) for n in layouts}
+    ckpt = rs.open(url)
+    got = ckpt.load(target, 1)
+    for name in layouts:
+        np.testing.assert_array_equal(got[name], full[name][target[name].region(1)])
+    assert decoded == []
+    assert rs.verify(url).ok and decoded  # verify decodes the indexes
+    refs = json.loads((pathlib.Path(ckpt.zarr_url) / "refs.json").read_bytes())["refs"]
+    obj, off, n = refs["t2/c/1/0"]
+    data = pathlib.Path(ckpt.zarr_url) / obj.split("/", 2)[2]
+    original = data.read_bytes()
+    for at, error in ((off + n - 30, None), (off + 1000, rs.ChecksumError)):  # in the index, in a chunk
+        raw = bytearray(original)
+        raw[at] ^= 0x40
+        data.write_bytes(bytes(raw))
+        if error is None:  # the load never needed the index: exact data; verify names the damage
+            np.testing.assert_array_equal(rs.open(url).load(target, 1)["t2"], full["t2"][target["t2"].region(1)])
+            damage = rs.verify(url).damage
+            assert len(damage) == 1 and "index" in str(damage[0].message) and "t2" in damage[0].where
+        else:
+            with pytest.raises(error, match="t2"):
+                rs.open(url).load(target, 1)
+    data.write_bytes(original)

@@ -134,3 +134,33 @@ def _encode_rows(data: np.ndarray, meta: ArrayMeta, count: int) -> list[Any]:
         index[whole] = (offset, sum(memoryview(b).nbytes for b in chunk))
     raw = index.tobytes()
     return [*parts, raw, crc32c(raw).to_bytes(4, "little")]
+
+
+def plain_index(meta: ArrayMeta, shard: tuple[int, ...]) -> np.ndarray:
+    """The index :func:`encode_shard` writes for shard ``shard`` of an uncompressed array, without reading it.
+
+    Every inner chunk that starts inside the array is stored padded to full size,
+    with its crc32c, one after another in C order; a chunk wholly past the array's
+    end (in an edge shard of a regular grid) is missing. Returns the ``(n, 2)``
+    uint64 index; the shard's stored length is ``stored_bytes(meta, index)``.
+    """
+    if meta.compressor is not None:
+        raise ValueError("plain_index: the shard is compressed (its chunk sizes are known only from its index)")
+    per = meta.chunks_in(shard)
+    clipped = [s.stop - s.start for s in meta.shard_region(shard)]
+    present = np.ones(per, dtype=bool)
+    for d, (n, k, extent) in enumerate(zip(per, meta.chunk, clipped, strict=True)):
+        starts_inside = np.arange(n) * k < extent
+        present &= starts_inside.reshape((1,) * d + (n,) + (1,) * (len(per) - d - 1))
+    flat = present.reshape(-1)
+    stored = math.prod(meta.chunk) * meta.np_dtype.itemsize + (4 if meta.checksums else 0)
+    index = np.full((flat.size, 2), MISSING, dtype="<u8")
+    index[flat, 0] = np.arange(int(flat.sum()), dtype="<u8") * np.uint64(stored)
+    index[flat, 1] = stored
+    return index
+
+
+def stored_bytes(meta: ArrayMeta, index: np.ndarray) -> int:
+    """The stored length of a shard whose chunks are laid out back to back as ``index`` says."""
+    present = index[:, 0] != MISSING
+    return int(index[present, 1].sum()) + 16 * index.shape[0] + 4
