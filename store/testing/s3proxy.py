@@ -226,6 +226,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 class _ProxyHTTPServer(http.server.ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False
+    # The listen backlog (socketserver's default is 5): a client opening more connections at once than the
+    # backlog holds has its SYN dropped and retried after a second, which read as 1 s stalls of single requests.
+    request_queue_size = 128
     proxy: S3Proxy
 
 
