@@ -55,8 +55,13 @@ def init(rank: int, world: int, port: int) -> None:
 
 
 def done() -> None:
-    """Leave the process group."""
+    """Leave the process group, once every rank is here: a rank tearing down while another still talks to
+    it can abort that one (gloo), which showed as a rare SIGABRT of a worker ("terminate called without an
+    active exception")."""
     import torch.distributed as dist
 
     if dist.is_initialized():
-        dist.destroy_process_group()
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
