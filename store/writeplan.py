@@ -82,16 +82,22 @@ class TensorPlan:
             if rank not in layout.ranks:
                 raise RankError(f"tensor {meta.name!r}: rank {rank} is not among the layout's ranks")
             region = layout.region(rank)
-            shards = []
-            for idx in meta.shards_in(region):
-                within = tuple(slice(s.start - r.start, s.stop - r.start)
-                               for s, r in zip(meta.shard_region(idx), region, strict=True))
-                shards.append((idx, (*within, ...)))  # the Ellipsis keeps 0-d an array
-            part = RankPart(layout.local_shape(rank), layout.replica_id(rank) == 0, region, tuple(shards))
+            part = RankPart(layout.local_shape(rank), layout.replica_id(rank) == 0, region,
+                            block_shards(meta, region))
             if _cache.parts < MAX_PARTS:
                 self.parts[rank] = part
                 _cache.parts += 1  # a lost count under a race only lets a few more parts be kept
         return part
+
+
+def block_shards(meta: ArrayMeta, region: tuple[slice, ...]) -> tuple[tuple[tuple[int, ...], tuple[Any, ...]], ...]:
+    """The shards a block of ``region`` covers: (grid index, the slices of the block's array holding it) each."""
+    out = []
+    for idx in meta.shards_in(region):
+        within = tuple(slice(s.start - r.start, s.stop - r.start) for s, r in zip(meta.shard_region(idx), region,
+                                                                                   strict=True))
+        out.append((idx, (*within, ...)))  # the Ellipsis keeps 0-d an array
+    return tuple(out)
 
 
 class _Cache:

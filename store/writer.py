@@ -46,7 +46,7 @@ from .io.storage import Storage
 from .manifests import has_written, manifest_key, rank_manifest, records_json
 from .protocol import Marker, commit, generation_of, read_marker, save_id_of
 from .tree import LayoutSpec, flatten, resolve_layout
-from .writeplan import Settings, TensorPlan, tensor_plan
+from .writeplan import Settings, TensorPlan, block_shards, tensor_plan
 
 #: Block writers (importers, redivide), packed form: bytes held before they go out as one data object.
 BUFFER_BYTES = 256 << 20
@@ -292,13 +292,7 @@ class CheckpointWriter:
     def _shards(self, meta: ArrayMeta, region: tuple[slice, ...], local: np.ndarray
                 ) -> list[tuple[ArrayMeta, tuple[int, ...], np.ndarray]]:
         """The shards of a block: (record, grid index, the shard's part of ``local``) each."""
-        out = []
-        for idx in meta.shards_in(region):
-            sreg = meta.shard_region(idx)
-            within: tuple[Any, ...] = tuple(slice(s.start - r.start, s.stop - r.start)
-                                            for s, r in zip(sreg, region, strict=True))
-            out.append((meta, idx, local[(*within, ...)]))  # the Ellipsis keeps 0-d an array
-        return out
+        return [(meta, idx, local[within]) for idx, within in block_shards(meta, region)]
 
     def _shard_jobs(self, meta: ArrayMeta, region: tuple[slice, ...], local: np.ndarray) -> list[Any]:
         if self.engine == "tensorstore" and meta.shape:

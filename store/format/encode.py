@@ -62,11 +62,19 @@ def encode_shard(data: np.ndarray, meta: ArrayMeta, index_of: tuple[int, ...] | 
     per = meta.chunks_in(index_of) if index_of is not None else meta.chunks_per_shard
     if data.shape == meta.chunk and math.prod(per) == 1:  # one whole chunk (every small shard): no index array
         chunk = encode_chunk(data, meta)
-        raw = struct.pack("<QQ", 0, sum(memoryview(b).nbytes for b in chunk))
-        return [*chunk, raw, crc32c(raw).to_bytes(4, "little")]
+        return [*chunk, one_chunk_index(sum(memoryview(b).nbytes for b in chunk))]
     if meta.compressor is None and data.shape[1:] == meta.chunk[1:] and math.prod(per[1:]) == 1:
         return _encode_rows(data, meta, per[0])
     return _encode_chunks(data, meta, per)
+
+
+def one_chunk_index(stored: int) -> bytes:
+    """The index of a shard holding one chunk of ``stored`` bytes (crc included) at offset 0, with its crc32c."""
+    raw = _ONE_CHUNK.pack(0, stored)
+    return raw + crc32c(raw).to_bytes(4, "little")
+
+
+_ONE_CHUNK = struct.Struct("<QQ")
 
 
 def _encode_chunks(data: np.ndarray, meta: ArrayMeta, per: tuple[int, ...]) -> list[Any]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -19,7 +18,7 @@ import numpy as np
 from reshard.layouts.errors import ChecksumError, FormatError
 
 from ..io.storage import Storage
-from .encode import bytes_view, crc32c, zstd
+from .encode import bytes_view, crc32c, one_chunk_index, zstd
 from .meta import MISSING, ArrayMeta
 
 Region = tuple[slice, ...]
@@ -344,10 +343,6 @@ def _decode_into(data: memoryview, r: ChunkRead, meta: ArrayMeta, dest: np.ndarr
 
 
 # ------------------------------------------------------- small shards, direct
-#: A one-chunk shard's index: the chunk's offset and length.
-_ONE_CHUNK = struct.Struct("<QQ")
-
-
 class WholeRead(NamedTuple):
     """A small one-chunk shard read straight into its destination (see :func:`whole_read`).
 
@@ -411,8 +406,7 @@ def execute_whole(storage: Storage, obj: str, reads: Sequence[WholeRead]) -> int
     storage.read_into(obj, start, buffers)
     for r, end in zip(reads, ends, strict=True):
         crc = _tail(r.meta)
-        expected = _ONE_CHUNK.pack(0, r.body.nbytes + crc)
-        if end[crc:] != expected + crc32c(expected).to_bytes(4, "little"):  # then decode it, checked
+        if end[crc:] != one_chunk_index(r.body.nbytes + crc):  # then decode it, checked
             index = decode_index(bytes(end[crc:]), r.meta, r.key, r.shard)
             blob = memoryview(bytes(r.body) + bytes(end))
             planned = plan_reads(r.meta, r.region, index, r.shard, r.key, r.dest)
