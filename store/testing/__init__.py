@@ -2,10 +2,12 @@
 
 ``s3server.LocalS3Server``: an in-process moto server on loopback.
 ``s3proxy.S3Proxy``: a counting, fault-injecting proxy in front of any S3 endpoint.
+``service``: what both share (``LocalService``, ``REGION``, ``s3_storage_options``).
 Nothing here is imported by the runtime package; moto is imported lazily.
 """
 
-from .s3proxy import ProxyRecord, S3Proxy, s3_storage_options
+from .s3proxy import ProxyRecord, S3Proxy
 from .s3server import LocalS3Server
+from .service import s3_storage_options
 
 __all__ = ["LocalS3Server", "ProxyRecord", "S3Proxy", "s3_storage_options"]

@@ -53,7 +53,7 @@ import urllib.parse
 import uuid
 from typing import Any
 
-from .s3proxy import REGION, LocalService, s3_storage_options
+from .service import REGION, LocalService, s3_storage_options
 
 __all__ = ["LocalS3Server"]
 
