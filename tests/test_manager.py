@@ -69,6 +69,17 @@ def test_retention_plans_by_the_rules_alone(tmp_path):
     assert (tmp_path / "step-3").exists()
 
 
+def test_the_index_keeps_the_committing_flag_and_refuses_newer_versions(tmp_path):
+    index = Index((StepRecord(1, 1.0, {"loss": 0.5}), StepRecord(2, 2.0, refs=(1,), committing=True)))
+    back = Index.parse("x", index.to_json())
+    assert back.steps == index.steps and [r.committing for r in back.steps] == [False, True]
+    assert "committing" not in json.loads(index.to_json())["steps"][0]  # only flagged records carry it
+    doc = json.loads(index.to_json())
+    doc["manager_version"] = 3
+    with pytest.raises(rs.FormatError, match="version"):
+        Index.parse("x", json.dumps(doc).encode())
+
+
 def test_bad_retention_arguments():
     with pytest.raises(ValueError, match="max_to_keep"):
         Retention(max_to_keep=0)

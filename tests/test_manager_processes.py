@@ -104,6 +104,52 @@ def test_a_killed_rank_leaves_the_last_commit_and_the_job_resumes(tmp_path, vict
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["manager.json", "step-3", "step-4"]
 
 
+def commit_and_die(url: str, before_marker: bool) -> None:
+    """One process saving every rank; its committer is killed (SIGKILL) around step 2's commit marker."""
+    from reshard.store.manager import committer
+
+    real = committer.commit
+
+    def commit(root, **kw):
+        if kw["save_id"] == "2" and before_marker:
+            os.kill(os.getpid(), signal.SIGKILL)
+        marker = real(root, **kw)
+        if kw["save_id"] == "2":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return marker
+
+    committer.commit = commit
+    mgr = rs.CheckpointManager(url, L, rank=0, max_to_keep=2)
+    for step in (1, 2):
+        for r in range(4):
+            mgr.save(step, r, piece(step, r))
+    mgr.wait(committed=True, timeout=30)
+    sys.exit(5)  # not reached: the commit of step 2 kills the process
+
+
+@pytest.mark.parametrize("before_marker", [True, False], ids=["before-marker", "after-marker"])
+def test_a_committer_killed_mid_commit_never_shows_another_rank_an_older_latest_step(tmp_path, before_marker):
+    """Between the commit marker and the index, every rank must already see the step (resume race)."""
+    url = str(tmp_path / "run")
+    p = mp.get_context("spawn").Process(target=commit_and_die, args=(url, before_marker))
+    p.start()
+    p.join(60)
+    assert p.exitcode == -signal.SIGKILL
+    latest = 1 if before_marker else 2
+    other = rs.CheckpointManager(url, L, rank=3)  # a rank that resumes before the committer reconciles
+    assert other.latest_step() == latest and other.steps() == list(range(1, latest + 1))
+    np.testing.assert_array_equal(other.open()["w"].read(), value(latest))
+    committer = rs.CheckpointManager(url, L, rank=0, max_to_keep=2)  # the restarted committer settles the record
+    assert committer.steps() == list(range(1, latest + 1))
+    assert (tmp_path / "run" / "step-2").exists() is not before_marker
+    assert not any(r.committing for r in rs.CheckpointManager(url).committer.index.steps)
+    for r in range(4):
+        committer.save(latest + 1, r, piece(latest + 1, r))
+    committer.wait(committed=True, timeout=30)
+    committer.close()
+    assert other.steps() == [latest, latest + 1]
+
+
 def _lists(proxy) -> int:
     return sum(1 for r in proxy.log if r.method == "GET" and ("list-type" in r.query or "prefix=" in r.query))
 

@@ -7,8 +7,9 @@ and in a background thread reads their manifests **by key**, in rank order:
 one GET per manifest that is there, and while the first missing one is not,
 one GET per poll with exponential backoff. Then it commits the step as an
 ordinary reshard checkpoint (:func:`reshard.store.protocol.commit`, with the
-manifests it read), adds it to the index ``root/manager.json`` (written
-atomically) and applies retention. A save costs no LIST request at all;
+manifests it read) between two atomic writes of the index
+``root/manager.json`` (the step flagged ``committing``, then confirmed: see
+:mod:`.index`) and applies retention. A save costs no LIST request at all;
 deleting a step that retention drops lists that step's folder once.
 
 A read that fails raises (after the storage layer's retries): a missing
@@ -23,15 +24,15 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 from reshard.layouts.errors import UncommittedCheckpointError
 
-from ..format.meta import COMMIT_KEY
 from ..io.storage import Storage
 from ..manifests import describe_missing, has_written, read_manifest
 from ..protocol import commit, generation_of, read_marker
-from .index import Index, StepRecord, read_index, step_dir, step_of, write_index
+from .index import Index, StepRecord, is_committed, read_index, step_dir, step_of, write_index
 from .retention import Retention, delete_steps, plan, referenced, referenced_steps
 
 #: First and longest pause between two polls of a missing manifest (seconds).
@@ -77,15 +78,25 @@ class Committer:
 
     # ------------------------------------------------------------ startup
     def reconcile(self) -> Index:
-        """At startup: index steps that committed but missed the index, remove uncommitted step folders.
+        """At startup: settle what a crashed committer left, remove uncommitted step folders.
 
-        One LIST of the root (per job, not per save), one GET per step folder the
-        index does not know. Call it before any rank saves (a step folder being
+        A record flagged ``committing`` is confirmed if its marker is there, else
+        dropped with its folder; a step folder the index does not know is indexed
+        if it holds a marker (written by an older reshard), else removed. One
+        LIST of the root (per job, not per save), one GET per flagged record and
+        per unknown folder. Call it before any rank saves (a step folder being
         written now would be taken for a crashed job's leftover).
         """
         index = read_index(self.root)
-        known = set(index.numbers())
         changed = False
+        for record in [r for r in index.steps if r.committing]:
+            if is_committed(self.root, record.step):
+                index = index.with_step(replace(record, committing=False))
+            else:
+                index = index.without({record.step})
+                self.root.delete(step_dir(record.step))
+            changed = True
+        known = set(index.numbers())
         needed = referenced(index.steps, known)  # retired steps whose objects kept steps reference
         for name in self.root.list(""):
             step = step_of(name)
@@ -146,13 +157,15 @@ class Committer:
         """Wait for the ranks of ``step``, commit it, index it, apply retention."""
         try:
             manifests = self.poll(step, expected)
-            step_root = self.root.child(step_dir(step))
-            marker = commit(step_root, save_id=str(step), manifests=manifests)
+            record = StepRecord(step=step, time=time.time(), metrics=dict(metrics or {}),
+                                refs=referenced_steps(manifests), committing=True)
+            self._index = self.index.with_step(record)
+            write_index(self.root, self._index)  # before the marker: readers confirm it by the marker
+            marker = commit(self.root.child(step_dir(step)), save_id=str(step), manifests=manifests)
         except BaseException as e:
             self.record_failure(step, f"{type(e).__name__}: {e}")
             raise
-        record = StepRecord(step=step, time=marker.time, metrics=dict(metrics or {}),
-                            refs=referenced_steps(manifests))
+        record = replace(record, time=marker.time, committing=False)
         index = self.index.with_step(record)
         _, doomed = plan(index, self.policy)
         kept = index.without(set(doomed))
@@ -166,16 +179,13 @@ class Committer:
 
     def record_failure(self, step: int, message: str) -> None:
         """Say in the index that ``step`` was given up (waiting ranks raise with ``message``)."""
-        if step in self.index.numbers():
+        found = self.index.get(step)
+        if found is not None and not found.committing:
             return  # committed already (e.g. a repeated save of it was refused): nothing was abandoned
         self._abandoned.add(step)
         try:
-            self._index = self.index.with_failure(step, message)
+            self._index = self.index.without({step}).with_failure(step, message)
             write_index(self.root, self._index)
         except Exception:  # the original failure is what the caller raises
             pass
 
-
-def is_committed(root: Storage, step: int) -> bool:
-    """Whether a step's folder holds a commit marker (one GET)."""
-    return root.child(step_dir(step)).read_if_exists(COMMIT_KEY) is not None

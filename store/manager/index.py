@@ -1,10 +1,16 @@
 """The manager's index ``root/manager.json``: which steps are committed, with their metrics.
 
 The index is written only by the committer (one process), always whole and
-atomically (:meth:`Storage.write_atomic`), after the step's own commit marker:
-a step is listed only once it is an ordinary committed reshard checkpoint.
-Reading it is one GET; a missing index is an empty root, anything else that
-fails (a missing bucket, a denied or failing request, malformed JSON) raises.
+atomically (:meth:`Storage.write_atomic`). Committing a step writes the index
+twice: first with the step's record flagged ``committing``, then the step's
+own commit marker, then the index again with the flag cleared. A reader takes
+a flagged record as committed only if the step's marker is there (one GET:
+:func:`committed_steps`), so the index never lags the markers: a committer
+killed between marker and index cannot make another process see an older
+latest step (and resume from it) while the restarted committer catches up.
+Reading the index is one GET; a missing index is an empty root, anything else
+that fails (a missing bucket, a denied or failing request, malformed JSON)
+raises.
 """
 
 from __future__ import annotations
@@ -16,13 +22,14 @@ from typing import Any
 
 from reshard.layouts.errors import FormatError
 
+from ..format.meta import COMMIT_KEY
 from ..io.storage import Storage
 from ..protocol import loads_json
 
 #: The index object under the root.
 INDEX_KEY = "manager.json"
-#: Version of the index document.
-INDEX_VERSION = 1
+#: Version of the index document (2: records may be flagged ``committing``).
+INDEX_VERSION = 2
 #: Step folders are ``step-<N>`` (decimal, no padding).
 STEP_PREFIX = "step-"
 
@@ -42,12 +49,17 @@ def step_of(name: str) -> int | None:
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One committed step: when, its metrics, and the older steps whose bytes it references."""
+    """One step: when, its metrics, the older steps whose bytes it references.
+
+    ``committing`` records are written just before the step's commit marker:
+    the step is committed only if the marker is there.
+    """
 
     step: int
     time: float
     metrics: dict[str, float] = field(default_factory=dict)
     refs: tuple[int, ...] = ()
+    committing: bool = False
 
 
 @dataclass(frozen=True)
@@ -78,7 +90,7 @@ class Index:
 
     def to_json(self) -> bytes:
         doc = {"manager_version": INDEX_VERSION, "time": self.time,
-               "steps": [{**asdict(s), "refs": list(s.refs)} for s in self.steps],
+               "steps": [_record_json(s) for s in self.steps],
                "failed": {str(k): v for k, v in sorted(self.failed.items())}}
         return json.dumps(doc, indent=1).encode()
 
@@ -90,7 +102,8 @@ class Index:
                 raise FormatError(f"{where}: not a reshard manager index of a version this reshard reads")
             steps = tuple(StepRecord(step=int(s["step"]), time=float(s.get("time", 0.0)),
                                      metrics={str(k): float(v) for k, v in (s.get("metrics") or {}).items()},
-                                     refs=tuple(int(r) for r in s.get("refs", ())))
+                                     refs=tuple(int(r) for r in s.get("refs", ())),
+                                     committing=s.get("committing", False) is True)
                           for s in doc["steps"])
             failed = {int(k): str(v) for k, v in (doc.get("failed") or {}).items()}
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -104,9 +117,30 @@ def read_index(root: Storage) -> Index:
     return Index() if raw is None else Index.parse(f"{root.url}/{INDEX_KEY}", raw)
 
 
+def committed_steps(root: Storage) -> list[StepRecord]:
+    """The committed steps of ``root``, ascending: the index, its ``committing`` records confirmed by their marker.
+
+    One GET of the index, and one GET per flagged record (normally none, or
+    the one step being committed right now). Every failure raises.
+    """
+    return [r for r in read_index(root).steps if not r.committing or is_committed(root, r.step)]
+
+
+def is_committed(root: Storage, step: int) -> bool:
+    """Whether a step's folder holds a commit marker (one GET)."""
+    return root.child(step_dir(step)).read_if_exists(COMMIT_KEY) is not None
+
+
 def write_index(root: Storage, index: Index) -> None:
     """Replace the index, atomically (readers see the old or the new one whole)."""
     root.write_atomic(INDEX_KEY, index.to_json())
+
+
+def _record_json(record: StepRecord) -> dict[str, Any]:
+    doc = {**asdict(record), "refs": list(record.refs)}
+    if not record.committing:
+        del doc["committing"]
+    return doc
 
 
 def metrics_of(metrics: Any, step: int) -> dict[str, float]:

@@ -37,7 +37,7 @@ from ..reader import Checkpoint
 from ..tree import LayoutSpec, flatten, resolve_layout, to_json
 from ..writer import CheckpointWriter
 from .committer import Committer
-from .index import StepRecord, metrics_of, read_index, step_dir
+from .index import StepRecord, committed_steps, is_committed, metrics_of, read_index, step_dir
 from .retention import Retention
 from .staging import StagingPool, _is_jax, _is_torch, host_dtype
 
@@ -264,7 +264,7 @@ class CheckpointManager:
         """Incremental saves: the latest committed step before ``step`` (one GET of the index), if any."""
         if not self.incremental:
             return None
-        older = [s for s in read_index(self.root).numbers() if s < step]
+        older = [r.step for r in committed_steps(self.root) if r.step < step]
         return f"{self.url}/{step_dir(older[-1])}" if older else None
 
     def _commit(self, step: int, written: Future[None], metrics: dict[str, float]) -> StepRecord:
@@ -333,7 +333,7 @@ class CheckpointManager:
         delay = 0.01
         while True:
             index = read_index(self.root)
-            if index.numbers() and index.numbers()[-1] >= step:
+            if any(r.step >= step and (not r.committing or is_committed(self.root, r.step)) for r in index.steps):
                 return
             if step in index.failed:
                 raise UncommittedCheckpointError(f"{self.url}: step {step} was not committed: {index.failed[step]}")
@@ -360,7 +360,7 @@ class CheckpointManager:
     # ------------------------------------------------------------- reading
     def steps(self) -> list[int]:
         """The committed steps, ascending (one GET of the index; a failed read raises)."""
-        return read_index(self.root).numbers()
+        return [r.step for r in committed_steps(self.root)]
 
     def latest_step(self) -> int | None:
         """The latest committed step, or None if none is."""
@@ -369,7 +369,7 @@ class CheckpointManager:
 
     def metrics(self, step: int) -> dict[str, float]:
         """The metrics recorded with a committed step."""
-        record = read_index(self.root).get(step)
+        record = next((r for r in committed_steps(self.root) if r.step == step), None)
         if record is None:
             raise CheckpointNotFoundError(f"{self.url}: step {step} is not a committed step")
         return dict(record.metrics)
