@@ -39,7 +39,7 @@ def state(total_mib: int, step: int) -> tuple[dict[str, Layout], dict[str, np.nd
 
 def save(url: str, layouts: dict[str, Layout], full: dict[str, np.ndarray], base: str | None) -> float:
     t0 = time.perf_counter()
-    writer = rs.create(url, layouts, form="packed", base=base)
+    writer = rs.create(url, layouts, form="packed", base=base, durable=False)
     for rank in range(RANKS):
         writer.write(rank, {n: a[layouts[n].region(rank)] for n, a in full.items()})
     writer.commit()

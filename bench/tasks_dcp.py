@@ -3,8 +3,9 @@
 Same tensors and the same bytes per rank as reshard: W1 ``Shard(0)`` over a 1-d
 mesh; W3 on a ``(tp, dp)`` mesh, column-parallel weights ``[Shard(0), Shard(0)]``
 and row-parallel ones ``[Shard(1), Shard(0)]`` (tp slices cut again over dp:
-optimizer sharding). ``FileSystemWriter(sync_files=False)`` because reshard,
-Orbax and ``np.save`` do not fsync either; everything else is DCP's default.
+optimizer sharding). ``FileSystemWriter(sync_files=False)`` because reshard
+saves here with ``durable=False`` and ``np.save`` does not fsync either (Orbax
+does: TensorStore's file driver fsyncs by default); everything else is DCP's default.
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ class Save(_Sharded):
     def run(self, rep: int) -> None:
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(self.state, storage_writer=dcp.FileSystemWriter(self.ctx.args["url"], sync_files=False))
+        sync = bool(self.ctx.args.get("durable", False))  # DCP's default is True; see the module docstring
+        dcp.save(self.state, storage_writer=dcp.FileSystemWriter(self.ctx.args["url"], sync_files=sync))
 
 
 class Load(_Sharded):

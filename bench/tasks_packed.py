@@ -31,7 +31,7 @@ class SaveRanks(Task):
         self.local = {r: {s.name: data.fill(s.index, self.layouts[s.name].region(r), s.dtype) for s in specs}
                       for r in self.mine}
         self.options = {"storage_options": ctx.args.get("storage_options"), "overwrite": True,
-                        "form": ctx.args.get("form", "packed")}
+                        "form": ctx.args.get("form", "packed"), "durable": False}
 
     def prepare(self, rep: int) -> None:
         if self.ctx.rank == 0 and "://" not in self.url:

@@ -62,6 +62,7 @@ class Save(Task):
 
     def run(self, rep: int) -> dict[str, Any]:
         options = {"storage_options": self.ctx.args.get("storage_options"), "overwrite": True,
+                   "durable": self.ctx.args.get("durable", False),
                    **({"grid": self.ctx.args["grid"]} if "grid" in self.ctx.args else {})}
         writer = self.rs.create(self.url, self.layouts, **options)
         writer.write(self.ctx.rank, self.local)
@@ -78,6 +79,7 @@ class SaveWhole(Task):
         import reshard.store as rs
 
         self.rs, self.url, self.form = rs, ctx.args["url"], ctx.args.get("form")
+        self.durable = ctx.args.get("durable", False)
         self.state = {s.name: data.fill(s.index, data.whole(s.shape), s.dtype)
                       for s in data.tensors(ctx.args["workload"], ctx.args["cfg"])}
 
@@ -85,7 +87,8 @@ class SaveWhole(Task):
         shutil.rmtree(self.url, ignore_errors=True)
 
     def run(self, rep: int) -> dict[str, Any]:
-        return self.rs.save(self.state, self.url, form=self.form).storage.stats.as_dict()
+        return self.rs.save(self.state, self.url, form=self.form,
+                            durable=self.durable).storage.stats.as_dict()
 
 
 class Load(Task):

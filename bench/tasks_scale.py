@@ -47,7 +47,7 @@ class SaveSim(Task):
         shutil.rmtree(self.args["url"], ignore_errors=True)
 
     def run(self, rep: int) -> dict[str, Any]:
-        writer = self.rs.create(self.args["url"], self.layouts)
+        writer = self.rs.create(self.args["url"], self.layouts, durable=False)
         for r, local in self.pieces.items():
             writer.write(r, local)
         writer.commit()

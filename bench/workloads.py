@@ -112,7 +112,15 @@ class Runner:
         for s in systems:
             world = 8 if s == "dcp" else 1
             self.group(label, save, s, f"bench.tasks_{s}:Save", world, {**base, "url": self.dir(f"{label}-{s}")},
-                       size, "" if s == "dcp" else "1 process, 8 CPU devices")
+                       size, "" if s == "dcp" else "1 process, 8 CPU devices (fsyncs: TensorStore's default)")
+        if anchors:  # durable saves side by side: reshard's default, DCP's default (Orbax's is the row above)
+            durable = "save, 8 ranks, fsynced"
+            self.group(label, durable, "reshard", "bench.tasks_reshard:Save", 8, {**ckpt, "durable": True}, size,
+                       "durable=True (the default)")
+            if "dcp" in systems:
+                self.group(label, durable, "dcp", "bench.tasks_dcp:Save", 8,
+                           {**base, "url": self.dir(f"{label}-dcp"), "durable": True}, size,
+                           "sync_files=True (the default)")
         self.cat(label, load, ckpt["url"], size)
         self.group(label, load, "reshard", "bench.tasks_reshard:Load", 7, ckpt, size)
         self.group(label, load, "reshard out=", "bench.tasks_reshard:Load", 7, {**ckpt, "into": True}, size,
@@ -256,20 +264,22 @@ class Runner:
         cfg = self.opts.cfg["gpt2"]
         size = cfg["rows"] * cfg["cols"] * 4
         label, phase = f"GPT-2 embedding {cfg['rows']}x{cfg['cols']}", "save, 8 ranks"
-        runs = [("reshard", "gpt2-balanced", {}, "balanced split, exact shards (rectilinear grid)", None),
-                ("reshard ceil", "gpt2", {}, "ceil split (torch.chunk), regular grid", None),
+        # a save takes 0.05-0.1 s, where the machine's noise is as large as the difference measured: 11 runs each
+        runs = [("reshard", "gpt2-balanced", {}, "balanced split, exact shards (rectilinear grid)", 11),
+                ("reshard ceil", "gpt2", {}, "ceil split (torch.chunk), regular grid", 11),
                 ("reshard gcd", "gpt2-balanced", {"grid": "regular"}, "balanced split, gcd grid", 1)]
         for system, workload, extra, note, reps in runs:
             url = self.dir(f"gpt2-{system.replace(' ', '-')}")
             args = {"workload": workload, "cfg": cfg, "mesh": [8], "url": url, **extra}
             m = self.group(label, phase, system, "bench.tasks_reshard:Save", 8, args, size, note, reps=reps,
-                           warmup=0 if reps else None)
+                           warmup=0 if reps == 1 else None)
             files = files_under(url)
             m.extra["objects"] = len(files)
             # data objects: shard files (directory form) or rank objects (packed form, the default)
             m.extra["shard_objects"] = sum(f"{os.sep}wte{os.sep}c{os.sep}" in f or f"{os.sep}packed{os.sep}" in f
                                            for f in files)
-            self.rows[-1].note += f"; {len(files)} objects, {m.extra['shard_objects']} of them data"
+            self.rows[-1].note += (f"; {len(files)} objects, {m.extra['shard_objects']} of them data; "
+                                   f"{len(m.times)} runs")
             shutil.rmtree(url, ignore_errors=True)
 
     # --------------------------------------------------------------- async
@@ -282,11 +292,14 @@ class Runner:
         self.group(label, phase, "np.copyto", "bench.tasks_async:CopyTo", 1,
                    {"cfg": cfg, "url": self.dir("async-copyto")}, size,
                    "the same bytes into buffers allocated before timing; the same bytes written before each run")
-        runs = [("reshard", "async", "returns once staged"), ("reshard sync", "sync", "returns once written"),
-                ("reshard+wait", "async+wait", "save, then wait() until written")]
-        for system, mode, note in runs:
+        runs = [("reshard", "async", True, "returns once staged"),
+                ("reshard sync", "sync", True, "returns once written and fsynced"),
+                ("reshard sync, no fsync", "sync", False, "returns once written (durable=False)"),
+                ("reshard+wait", "async+wait", True, "save, then wait() until written")]
+        for system, mode, durable, note in runs:
             self.group(label, phase, system, "bench.tasks_async:ManagerSave", 1,
-                       {"cfg": cfg, "mode": mode, "url": self.dir(f"async-{mode}")}, size, note)
+                       {"cfg": cfg, "mode": mode, "durable": durable, "url": self.dir(f"async-{mode}-{durable}")},
+                       size, note)
         anchors = {"dcp": ("bench.tasks_async:DcpSave", "async_save"), "orbax": ("bench.tasks_async:OrbaxSave",
                                                                                  "AsyncCheckpointer.save")}
         for anchor, (task, call) in anchors.items():
@@ -295,7 +308,7 @@ class Runner:
                            size, f"{call}, returns before writing")
                 self.group(label, phase, f"{anchor} sync", task, 1,
                            {"cfg": cfg, "mode": "sync", "url": self.dir(f"{anchor}-sync")}, size,
-                           "save until written")
+                           "save until written and fsynced")
 
     # ------------------------------------------------------------------ W5
     def w5(self) -> None:

@@ -73,6 +73,7 @@ class CheckpointWriter:
         object_bytes: int = DEFAULT_OBJECT_BYTES,
         buffer_bytes: int = BUFFER_BYTES,
         base: str | None = None,
+        durable: bool = True,
     ) -> None:
         if engine not in ("fast", "tensorstore"):
             raise ValueError(f"writer engine must be 'fast' or 'tensorstore', got {engine!r}")
@@ -104,7 +105,7 @@ class CheckpointWriter:
         self._hashes: dict[str, str] = {}
         if compression not in (None, "zstd"):
             raise ValueError(f"compression must be None or 'zstd', got {compression!r}")
-        self.root = Storage(url, storage_options)
+        self.root = Storage(url, storage_options, durable=durable)
         #: Incremental saves: the earlier save whose unchanged shards are referenced, not rewritten.
         self.base = Base(base, self.root.url, storage_options) if base is not None else None
         self.save_id = save_id_of(save_id)
@@ -417,6 +418,11 @@ def create(url: str, layouts: LayoutSpec, **options: Any) -> CheckpointWriter:
         manager's previous step); a shard whose bytes (their XXH3-128 hash) equal what the
         base's same rank wrote under the same key is referenced, not written
         (:mod:`reshard.store.incremental`).
+        ``durable`` (default True): local files are fsynced, and every object a
+        manifest or the commit marker announces is on disk before they are
+        (power-loss safe; no effect on object stores, whose PUTs are durable).
+        False leaves flushing to the OS: a process killed (even with -9) loses
+        nothing, a machine losing power may (docs/reliability.md).
 
     Raises
     ------

@@ -84,10 +84,17 @@ class Storage:
         Passed to the fsspec filesystem (credentials, endpoint...).
     retries : int
         Attempts after the first for a transiently failing remote request.
+    durable : bool
+        Local files only (an object store's PUT is durable once answered):
+        every object written is fsynced before it is closed, and a
+        *publishing* write (:meth:`write_atomic`, :meth:`write_new`: manifests,
+        indexes, commit markers) first fsyncs the folders of every earlier
+        write, then its own folder after it. So whatever a published object
+        announces survives a power loss whenever the object itself does.
     """
 
     def __init__(
-        self, url: str, storage_options: dict[str, Any] | None = None, retries: int = 5
+        self, url: str, storage_options: dict[str, Any] | None = None, retries: int = 5, durable: bool = True
     ) -> None:
         self.url = str(url).rstrip("/")
         #: The fsspec options it was made with (credentials, endpoint...).
@@ -96,9 +103,12 @@ class Storage:
         self.root = root.rstrip("/")
         self.local = isinstance(self.fs, LocalFileSystem)
         self.retries = retries
+        self.durable = bool(durable) and self.local
         self.stats = IOStats()
         self._also: IOStats | None = None
         self._lock = threading.Lock()
+        #: Durable writes: folders whose entries changed since they were last fsynced (shared by child storages).
+        self._unsynced: set[str] = set()
 
     def __repr__(self) -> str:
         return f"Storage({self.url!r})"
@@ -242,11 +252,13 @@ class Storage:
         nbytes = sum(memoryview(p).nbytes for p in parts)
         if self.local:
             path = self.path(key)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            self._makedirs(os.path.dirname(path))
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 for i in range(0, len(parts), _IOV_MAX):
                     _writev_all(fd, parts[i : i + _IOV_MAX])
+                if self.durable:
+                    os.fsync(fd)
             finally:
                 os.close(fd)
         else:
@@ -265,11 +277,14 @@ class Storage:
         tmp = f"{key}.{uuid.uuid4().hex}.tmp"
         self.write(tmp, data)
         try:
+            self.sync()  # what this object announces is durable before it is
             os.replace(self.path(tmp), self.path(key))
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path(tmp))
             raise
+        self._changed(os.path.dirname(self.path(key)))
+        self.sync()
 
     def write_new(self, key: str, data: bytes) -> None:
         """Write an object only if it does not exist yet (atomic create).
@@ -288,15 +303,20 @@ class Storage:
         """
         if self.local:
             path = self.path(key)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            self._makedirs(os.path.dirname(path))
+            self.sync()  # what this object announces is durable before it is
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             except FileExistsError:
                 raise CheckpointExistsError(f"{self.url}/{key} already exists") from None
             try:
                 _writev_all(fd, [data])
+                if self.durable:
+                    os.fsync(fd)
             finally:
                 os.close(fd)
+            self._changed(os.path.dirname(path))
+            self.sync()
         else:
             try:
                 self._call(key, lambda: self.fs.pipe_file(self.path(key), data, mode="create"))
@@ -308,6 +328,39 @@ class Storage:
                     raise CheckpointExistsError(f"{self.url}/{key} already exists") from None
                 self._call(key, lambda: self.fs.pipe_file(self.path(key), data))
         self.count(writes=1, bytes_written=len(data))
+
+    def sync(self) -> None:
+        """Durable local storage: fsync the folders whose entries changed (new files, renames, new folders)."""
+        if not self.durable:
+            return
+        with self._lock:
+            todo = sorted(self._unsynced, key=len, reverse=True)
+            self._unsynced.clear()  # in place: child storages share the set
+        for folder in todo:  # deepest first: a new folder's own entries, then its name in its parent
+            try:
+                fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+            except FileNotFoundError:  # removed since (a cleaned-up step): nothing to keep
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def _makedirs(self, folder: str) -> None:
+        """Create ``folder`` and its missing parents; durable storage notes the folders whose entries change."""
+        if not self.durable:
+            os.makedirs(folder, exist_ok=True)
+            return
+        changed, top = [folder], folder
+        while not os.path.isdir(top):
+            top = os.path.dirname(top)
+            changed.append(top)
+        os.makedirs(folder, exist_ok=True)
+        self._changed(*changed)
+
+    def _changed(self, *folders: str) -> None:
+        with self._lock:
+            self._unsynced.update(folders)
 
     def delete(self, key: str) -> None:
         """Remove an object or a whole prefix; absent is fine."""

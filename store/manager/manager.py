@@ -94,7 +94,8 @@ class CheckpointManager:
         fsspec options (credentials, endpoint...).
     **options
         As for :func:`reshard.store.create`: ``shapes``, ``compression``,
-        ``checksums``, ``chunk_bytes``, ``engine``.
+        ``checksums``, ``chunk_bytes``, ``engine``, ``durable`` (also for the
+        index and the commit markers).
 
     Notes
     -----
@@ -111,7 +112,7 @@ class CheckpointManager:
                  storage_options: dict[str, Any] | None = None, **options: Any) -> None:
         self.url = str(url).rstrip("/")
         self.storage_options = dict(storage_options or {})
-        self.root = Storage(self.url, self.storage_options)
+        self.root = Storage(self.url, self.storage_options, durable=options.get("durable", True))
         self.layouts = layouts
         self.options = options
         self.incremental = bool(incremental)
