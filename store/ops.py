@@ -84,12 +84,13 @@ class CopyTask:
     items: tuple[tuple[ArrayMeta, ArrayMeta, tuple[int, ...]], ...]  # (source, target, shard index)
     budget: graph.BudgetRef
     packed: bool = False  # write the task's shards back to back into one data object
+    durable: bool = True  # as the writer's storage (fsync, see Storage)
 
 
 def copy_task(task: CopyTask) -> tuple[IOStats, dict[str, tuple[str, int, int]]]:
     """Task body of :func:`redivide`: its reads' and writes' counters, and where packed shards went."""
     ckpt = graph.open_source(task.source)
-    storage = Storage(task.dst, dict(task.dst_options))
+    storage = Storage(task.dst, dict(task.dst_options), durable=task.durable)
     ops = [graph.ReadOp(src, out.shard_region(idx)) for src, out, idx in task.items]
     located: dict[str, tuple[str, int, int]] = {}
     with graph.budget(task.budget).hold(sum(op.nbytes for op in ops)):
@@ -103,6 +104,7 @@ def copy_task(task: CopyTask) -> tuple[IOStats, dict[str, tuple[str, int, int]]]
         else:
             pool.run_all([functools.partial(_write_shard, storage, out, idx, arr)
                           for (_, out, idx), arr in zip(task.items, arrays, strict=True)], storage.local)
+    storage.sync()  # the commit (another storage, maybe another process) publishes these objects
     stats.add(**{k: v for k, v in storage.stats.as_dict().items() if k in ("writes", "bytes_written", "retries")})
     return stats, located
 
@@ -165,7 +167,8 @@ def redivide(src: str | Checkpoint, dst: str, layouts: LayoutSpec, *, scheduler:
     source = graph.source_of(ckpt, gap)
     options_dst = dict(getattr(writer.storage.fs, "storage_options", None) or {})
     dsk = {(f"reshard-redivide-{ref.token}", g): (copy_task, CopyTask(source, writer.storage.url, options_dst,
-                                                                       tuple(group), ref, writer.form == "packed"))
+                                                                       tuple(group), ref, writer.form == "packed",
+                                                                       writer.storage.durable))
            for g, group in enumerate(groups)}
     try:
         with graph.progress_bar(len(dsk), "redivide", progress) as bar:

@@ -109,6 +109,7 @@ class Storage:
         self._lock = threading.Lock()
         #: Durable writes: folders whose entries changed since they were last fsynced (shared by child storages).
         self._unsynced: set[str] = set()
+        self._syncing = threading.Lock()  # one sync at a time: a publish waits for folders another sync took
 
     def __repr__(self) -> str:
         return f"Storage({self.url!r})"
@@ -330,21 +331,26 @@ class Storage:
         self.count(writes=1, bytes_written=len(data))
 
     def sync(self) -> None:
-        """Durable local storage: fsync the folders whose entries changed (new files, renames, new folders)."""
+        """Durable local storage: fsync the folders whose entries changed (new files, renames, new folders).
+
+        Publishing writes call it; a writer whose objects another storage
+        publishes (a redivide task) calls it before it reports its work done.
+        """
         if not self.durable:
             return
-        with self._lock:
-            todo = sorted(self._unsynced, key=len, reverse=True)
-            self._unsynced.clear()  # in place: child storages share the set
-        for folder in todo:  # deepest first: a new folder's own entries, then its name in its parent
-            try:
-                fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-            except FileNotFoundError:  # removed since (a cleaned-up step): nothing to keep
-                continue
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        with self._syncing:
+            with self._lock:
+                todo = sorted(self._unsynced, key=len, reverse=True)
+                self._unsynced.clear()  # in place: child storages share the set
+            for folder in todo:  # deepest first: a new folder's own entries, then its name in its parent
+                try:
+                    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+                except FileNotFoundError:  # removed since (a cleaned-up step): nothing to keep
+                    continue
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
 
     def _makedirs(self, folder: str) -> None:
         """Create ``folder`` and its missing parents; durable storage notes the folders whose entries change."""

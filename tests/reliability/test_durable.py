@@ -67,29 +67,43 @@ def save(url: Path, **options) -> None:
     writer.commit()
 
 
+def assert_durable_before_marker(calls: Calls, root: Path, base: Path) -> None:
+    """Every file under ``root`` and every folder up to ``base`` was fsynced before the marker's rename."""
+    marker = root / ".reshard" / "commit.json"
+    at = calls.last("rename", marker, len(calls.events))  # written beside and renamed: the commit
+    assert at >= 0 and calls.last("fsync", marker.parent, len(calls.events)) > at
+    files = [p for p in root.rglob("*") if p.is_file() and p != marker and p.suffix != ".lock"]
+    assert len(files) >= 4 + 2  # a data object or shard per rank at least, the metadata
+    for f in files:
+        made = max(calls.last("create", f, at), calls.last("rename", f, at))
+        assert made >= 0, f
+        if calls.last("rename", f, at) == made:  # written beside, fsynced under its temporary name, renamed
+            assert any(w == "fsync" and p.startswith(os.path.realpath(f)) for w, p in calls.events[:made]), f
+        else:
+            assert calls.last("fsync", f, at) > made, f"{f} not fsynced after it was written"
+        for folder in [f.parent, *f.parent.parents]:
+            if folder == base:
+                break
+            assert calls.last("fsync", folder, at) > made, f"{folder} not fsynced after {f.name} appeared in it"
+    assert any(w == "fsync" and p.startswith(os.path.realpath(marker)) for w, p in calls.events[:at])
+
+
 @pytest.mark.parametrize("form", ["packed", "directory"])
 def test_everything_the_marker_announces_is_fsynced_before_it(tmp_path, monkeypatch, form):
     calls = Calls(monkeypatch)
     save(tmp_path / "ck", form=form)
     monkeypatch.undo()
-    marker = tmp_path / "ck" / ".reshard" / "commit.json"
-    at = calls.last("rename", marker, len(calls.events))  # written beside and renamed: the commit
-    assert at >= 0 and calls.last("fsync", marker.parent, len(calls.events)) > at
-    files = [p for p in (tmp_path / "ck").rglob("*") if p.is_file() and p != marker and p.suffix != ".lock"]
-    assert len(files) >= 4 + 2  # a data object or shard per rank at least, the metadata
-    for f in files:
-        made = max(calls.last("create", f, at), calls.last("rename", f, at))
-        assert made >= 0, f
-        content = calls.last("fsync", f, at)
-        if calls.last("rename", f, at) == made:  # written beside, fsynced under its temporary name, renamed
-            assert any(w == "fsync" and p.startswith(os.path.realpath(f)) for w, p in calls.events[:made]), f
-        else:
-            assert content > made, f"{f} not fsynced after it was written"
-        for folder in [f.parent, *f.parent.parents]:
-            if folder == tmp_path:
-                break
-            assert calls.last("fsync", folder, at) > made, f"{folder} not fsynced after {f.name} appeared in it"
-    assert any(w == "fsync" and p.startswith(os.path.realpath(marker)) for w, p in calls.events[:at])
+    assert_durable_before_marker(calls, tmp_path / "ck", tmp_path)
+
+
+@pytest.mark.parametrize("form", ["packed", "directory"])
+def test_a_redivided_copy_is_durable_before_its_marker(tmp_path, monkeypatch, form):
+    save(tmp_path / "src")
+    calls = Calls(monkeypatch)
+    target = {"w": Layout.from_dtensor((3,), ["S(0)"], SHAPE), "b": Layout.single((6,))}
+    rs.redivide(str(tmp_path / "src"), str(tmp_path / "dst"), target, form=form)
+    monkeypatch.undo()
+    assert_durable_before_marker(calls, tmp_path / "dst", tmp_path)
 
 
 def test_durable_false_leaves_flushing_to_the_os(tmp_path, monkeypatch):
