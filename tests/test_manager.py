@@ -173,11 +173,13 @@ def test_a_new_job_removes_what_a_crashed_one_left(tmp_path):
         save_all(mgr, 1)
     w = rs.create(f"{url}/step-2", L, save_id="2")  # a crashed job's half-written step
     w.write(3, {"w": full(2)[6:8], "b": np.zeros(3, np.float32)})
+    stray = tmp_path / "run" / "manager.json.0123abcd.tmp"  # its committer killed while writing the index
+    stray.write_text("{")
     with rs.CheckpointManager(url, L, rank=3) as other:  # not the committer: touches nothing
         assert other.steps() == [1]
-    assert (tmp_path / "run" / "step-2").exists()
+    assert (tmp_path / "run" / "step-2").exists() and stray.exists()
     with rs.CheckpointManager(url, L, rank=0) as mgr:
-        assert not (tmp_path / "run" / "step-2").exists()
+        assert not (tmp_path / "run" / "step-2").exists() and not stray.exists()
         save_all(mgr, 2)
         mgr.wait(committed=True, timeout=30)
         np.testing.assert_array_equal(mgr.open()["w"].read(), full(2))

@@ -15,16 +15,18 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
-from reshard.layouts.errors import CheckpointExistsError, StorageError
+from reshard.layouts.errors import CheckpointExistsError, ReshardError, StorageError
 
 T = TypeVar("T")
 _IOV_MAX = 512
+#: fsync of a folder answered with these: the file system keeps its folders in order itself, or cannot.
+_NO_FOLDER_SYNC = (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF)
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 
 
@@ -253,15 +255,16 @@ class Storage:
         nbytes = sum(memoryview(p).nbytes for p in parts)
         if self.local:
             path = self.path(key)
-            self._makedirs(os.path.dirname(path))
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                for i in range(0, len(parts), _IOV_MAX):
-                    _writev_all(fd, parts[i : i + _IOV_MAX])
-                if self.durable:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
+            with self._naming(key):
+                self._makedirs(os.path.dirname(path))
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    for i in range(0, len(parts), _IOV_MAX):
+                        _writev_all(fd, parts[i : i + _IOV_MAX])
+                    if self.durable:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
         else:
             blob = parts[0] if len(parts) == 1 else b"".join(parts)
             self._call(key, lambda: self.fs.pipe_file(self.path(key), bytes(blob)))
@@ -277,15 +280,16 @@ class Storage:
             return
         tmp = f"{key}.{uuid.uuid4().hex}.tmp"
         self.write(tmp, data)
-        try:
-            self.sync()  # what this object announces is durable before it is
-            os.replace(self.path(tmp), self.path(key))
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path(tmp))
-            raise
-        self._changed(os.path.dirname(self.path(key)))
-        self.sync()
+        with self._naming(key):
+            try:
+                self.sync()  # what this object announces is durable before it is
+                os.replace(self.path(tmp), self.path(key))
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path(tmp))
+                raise
+            self._changed(os.path.dirname(self.path(key)))
+            self.sync()
 
     def write_new(self, key: str, data: bytes) -> None:
         """Write an object only if it does not exist yet (atomic create).
@@ -304,20 +308,21 @@ class Storage:
         """
         if self.local:
             path = self.path(key)
-            self._makedirs(os.path.dirname(path))
-            self.sync()  # what this object announces is durable before it is
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                raise CheckpointExistsError(f"{self.url}/{key} already exists") from None
-            try:
-                _writev_all(fd, [data])
-                if self.durable:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            self._changed(os.path.dirname(path))
-            self.sync()
+            with self._naming(key):
+                self._makedirs(os.path.dirname(path))
+                self.sync()  # what this object announces is durable before it is
+                try:
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                except FileExistsError:
+                    raise CheckpointExistsError(f"{self.url}/{key} already exists") from None
+                try:
+                    _writev_all(fd, [data])
+                    if self.durable:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+                self._changed(os.path.dirname(path))
+                self.sync()
         else:
             try:
                 self._call(key, lambda: self.fs.pipe_file(self.path(key), data, mode="create"))
@@ -344,11 +349,14 @@ class Storage:
                 self._unsynced.clear()  # in place: child storages share the set
             for folder in todo:  # deepest first: a new folder's own entries, then its name in its parent
                 try:
-                    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+                    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
                 except FileNotFoundError:  # removed since (a cleaned-up step): nothing to keep
                     continue
                 try:
                     os.fsync(fd)
+                except OSError as e:  # a file system that cannot sync folders (some network and FUSE mounts)
+                    if e.errno not in _NO_FOLDER_SYNC:
+                        raise
                 finally:
                     os.close(fd)
 
@@ -363,6 +371,16 @@ class Storage:
             changed.append(top)
         os.makedirs(folder, exist_ok=True)
         self._changed(*changed)
+
+    @contextlib.contextmanager
+    def _naming(self, key: str) -> Iterator[None]:
+        """A local write's failure (no space, denied, I/O error) as a StorageError naming the object."""
+        try:
+            yield
+        except ReshardError:  # named already (CheckpointExistsError, a nested write's StorageError)
+            raise
+        except OSError as e:
+            raise StorageError(f"{self.url}/{key}: {type(e).__name__}: {e}") from e
 
     def _changed(self, *folders: str) -> None:
         with self._lock:

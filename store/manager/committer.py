@@ -32,7 +32,7 @@ from reshard.layouts.errors import UncommittedCheckpointError
 from ..io.storage import Storage
 from ..manifests import describe_missing, has_written, read_manifest
 from ..protocol import commit, generation_of, read_marker
-from .index import Index, StepRecord, is_committed, read_index, step_dir, step_of, write_index
+from .index import INDEX_KEY, Index, StepRecord, is_committed, read_index, step_dir, step_of, write_index
 from .retention import Retention, delete_steps, plan, referenced, referenced_steps
 
 #: First and longest pause between two polls of a missing manifest (seconds).
@@ -82,7 +82,8 @@ class Committer:
 
         A record flagged ``committing`` is confirmed if its marker is there, else
         dropped with its folder; a step folder the index does not know is indexed
-        if it holds a marker (written by an older reshard), else removed. One
+        if it holds a marker (written by an older reshard), else removed; the
+        temporary of an index write that was killed is removed. One
         LIST of the root (per job, not per save), one GET per flagged record and
         per unknown folder. Call it before any rank saves (a step folder being
         written now would be taken for a crashed job's leftover).
@@ -99,6 +100,9 @@ class Committer:
         known = set(index.numbers())
         needed = referenced(index.steps, known)  # retired steps whose objects kept steps reference
         for name in self.root.list(""):
+            if name.startswith(f"{INDEX_KEY}.") and name.endswith(".tmp"):  # a crashed index write's temporary
+                self.root.delete(name)
+                continue
             step = step_of(name)
             if step is None or step in needed:
                 continue

@@ -117,13 +117,15 @@ def read_index(root: Storage) -> Index:
     return Index() if raw is None else Index.parse(f"{root.url}/{INDEX_KEY}", raw)
 
 
-def committed_steps(root: Storage) -> list[StepRecord]:
+def committed_steps(root: Storage, index: Index | None = None) -> list[StepRecord]:
     """The committed steps of ``root``, ascending: the index, its ``committing`` records confirmed by their marker.
 
-    One GET of the index, and one GET per flagged record (normally none, or
-    the one step being committed right now). Every failure raises.
+    One GET of the index (unless ``index`` is the one just read), and one GET
+    per flagged record (normally none, or the one step being committed right
+    now). Every failure raises.
     """
-    return [r for r in read_index(root).steps if not r.committing or is_committed(root, r.step)]
+    index = read_index(root) if index is None else index
+    return [r for r in index.steps if not r.committing or is_committed(root, r.step)]
 
 
 def is_committed(root: Storage, step: int) -> bool:

@@ -37,7 +37,7 @@ from ..reader import Checkpoint
 from ..tree import LayoutSpec, flatten, resolve_layout, to_json
 from ..writer import CheckpointWriter
 from .committer import Committer
-from .index import StepRecord, committed_steps, is_committed, metrics_of, read_index, step_dir
+from .index import StepRecord, committed_steps, metrics_of, read_index, step_dir
 from .retention import Retention
 from .staging import StagingPool, _is_jax, _is_torch, host_dtype
 
@@ -334,7 +334,7 @@ class CheckpointManager:
         delay = 0.01
         while True:
             index = read_index(self.root)
-            if any(r.step >= step and (not r.committing or is_committed(self.root, r.step)) for r in index.steps):
+            if any(r.step >= step for r in committed_steps(self.root, index)):
                 return
             if step in index.failed:
                 raise UncommittedCheckpointError(f"{self.url}: step {step} was not committed: {index.failed[step]}")

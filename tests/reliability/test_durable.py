@@ -129,3 +129,28 @@ def test_the_manager_index_is_published_after_the_marker_it_confirms(tmp_path, m
     assert len(renames) >= 2 and renames[0] < made < renames[-1]  # flagged, marker, confirmed
     assert calls.last("fsync", marker.parent, renames[-1]) > made  # the marker is durable before the confirmation
     assert calls.last("fsync", tmp_path / "run", len(calls.events)) > renames[-1]
+
+
+def test_a_file_system_that_cannot_sync_folders_still_saves(tmp_path, monkeypatch):
+    """Some network and FUSE mounts answer fsync of a folder with EINVAL: the save goes on; files still raise."""
+    import errno
+
+    real = os.fsync
+
+    def fsync(fd):
+        if os.path.isdir(os.readlink(f"/proc/self/fd/{fd}")):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    save(tmp_path / "ck")
+    got = rs.open(str(tmp_path / "ck"))["w"].read()
+    np.testing.assert_array_equal(got, np.arange(96, dtype=np.float32).reshape(SHAPE))
+
+    def failing(fd):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", failing)
+    with pytest.raises(rs.StorageError, match=r"other/gen-0/.*Input/output error"):
+        save(tmp_path / "other")
+    assert rs.open(str(tmp_path / "ck"))["w"].read().shape == SHAPE  # what was saved before is untouched
