@@ -1,7 +1,9 @@
 """Incremental saves: a shard whose bytes did not change is referenced, not written again.
 
-A packed save records a 128-bit hash of every shard it writes (the encoded
-``sharding_indexed`` bytes: data, index and checksums) in its ranks' manifests.
+A packed save records a 128-bit hash of every shard it writes in its ranks'
+manifests: of the shard's values (C order, little-endian) after a short
+description of how they are encoded (dtype, shard and inner chunk shapes,
+codecs), which together fix the shard's stored bytes.
 A save made with a **base** (an earlier committed packed save: a previous
 generation of the same checkpoint, or a checkpoint beside it such as a
 manager's previous ``step-<N>`` folder) compares each shard's hash with what
@@ -10,11 +12,15 @@ hash means equal bytes, so the new save's references point at the base's
 bytes instead of writing them again. Each rank reads one manifest of the
 base (one GET), no listing.
 
-The hash is of the bytes that would be written, so reusing them is exact
-whatever changed around them (layouts, other tensors). It is XXH3-128, written
-``xxh3_128:<hex>`` so that another algorithm later never compares equal: hashing
-runs on every byte of every incremental save, and XXH3 is 7x sha256 and 12x
-blake2b here (``python -m bench.incremental`` prints the three side by side).
+Equal hashes mean equal values encoded the same way, so reusing the base's
+bytes is exact whatever changed around them (layouts, other tensors). Hashing
+the values rather than the encoded bytes lets an unchanged shard skip its
+encoding (crc32c, compression) altogether. It is XXH3-128, written
+``xxh3_128v:<hex>`` so that another definition never compares equal (saves of
+an earlier reshard wrote ``xxh3_128:`` hashes of the encoded bytes: a base of
+theirs is simply not reused); hashing runs on every byte of every incremental
+save, and XXH3 is 7x sha256 and 12x blake2b here (``python -m bench.incremental``
+prints the three side by side).
 A 128-bit hash makes an accidental match between two different shards
 vanishingly unlikely (about n^2 / 2^129 for n shards); it is not meant to resist
 someone crafting colliding weights on purpose.
@@ -22,28 +28,43 @@ someone crafting colliding weights on purpose.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import xxhash
 from reshard.layouts.errors import FormatError, UncommittedCheckpointError
 
+from .format.encode import bytes_view
+from .format.meta import ArrayMeta
 from .format.refs import Location
 from .io.storage import Storage
 from .manifests import read_manifest, read_manifests
 from .protocol import Marker, generation_storage, read_marker
 
 #: The shard hash, named in every recorded value.
-HASH = "xxh3_128"
+HASH = "xxh3_128v"
 
 
-def digest(buffers: Iterable[Any]) -> str:
-    """``xxh3_128:<hex>`` of a shard's encoded bytes, given as buffers in order."""
+def digest(meta: ArrayMeta, idx: tuple[int, ...], data: np.ndarray) -> str:
+    """``xxh3_128v:<hex>`` of shard ``idx``'s values ``data`` and of how ``meta`` encodes them."""
     h = xxhash.xxh3_128()
-    for b in buffers:
-        h.update(b)
+    how = [data.dtype.name, data.dtype.itemsize, list(data.shape), list(meta.chunk), list(meta.chunks_in(idx)),
+           meta.compressor, meta.checksums]
+    h.update(json.dumps(how).encode())
+    _update(h, data.astype(data.dtype.newbyteorder("<"), copy=False))
     return f"{HASH}:{h.hexdigest()}"
+
+
+def _update(h: Any, a: np.ndarray) -> None:
+    """Hash ``a``'s bytes in C order without copying: contiguous runs of it in turn."""
+    if a.flags.c_contiguous or a.ndim <= 1:
+        h.update(bytes_view(a))
+    else:
+        for sub in a:
+            _update(h, sub)
 
 
 def sibling_prefix(base_url: str, url: str) -> str:

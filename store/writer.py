@@ -209,10 +209,11 @@ class CheckpointWriter:
         self._known.update((n, (p.record, p.meta)) for n, p in plans.items())
         mine = [(p, tensors[n]) for n, p in sorted(plans.items(), key=_geometry) if p.at(rank).writes]
         if self.form == "packed":  # one object: the shards back to back, then the manifest
-            blobs = self._encode([(p.meta, idx, arr[within]) for p, arr in mine for idx, within in p.at(rank).shards])
             reuse = self.base.for_rank(rank) if self.base is not None else Reusable()
-            found = {key: reuse.find(key, sha) for key, _, sha in blobs}
-            fresh = [(key, parts) for key, parts, _ in blobs if found[key] is None]
+            blobs = self._encode([(p.meta, idx, arr[within]) for p, arr in mine for idx, within in p.at(rank).shards],
+                                 reuse)
+            found = {key: reuse.find(key, sha) for key, parts, sha in blobs if parts is None}
+            fresh = [(key, parts) for key, parts, _ in blobs if parts is not None]
             objects, where = packed.plan_pack(f"{self.generation}/{PACKED_DIR}", str(rank), fresh, self.object_bytes)
             manifest["packed"] = {k: list(v) for k, v in {**found, **where}.items() if v is not None}
             manifest["hashes"] = {key: sha for key, _, sha in blobs}
@@ -302,9 +303,13 @@ class CheckpointWriter:
             return [lambda: write_with_tensorstore(self.storage, meta, region, local)]
         return [functools.partial(_write_shard, self.storage, *s) for s in self._shards(meta, region, local)]
 
-    def _encode(self, shards: list[tuple[ArrayMeta, tuple[int, ...], np.ndarray]]) -> list[tuple[str, list[Any], str]]:
-        """Encode and hash shards (crc32c, compression, XXH3) on the pool: (key, buffers, hash) each, in order."""
-        jobs = [functools.partial(_encode_one, *s) for s in shards]
+    def _encode(self, shards: list[tuple[ArrayMeta, tuple[int, ...], np.ndarray]], reuse: Reusable | None = None
+                ) -> list[tuple[str, Any, str]]:
+        """Hash and encode shards (XXH3, crc32c, compression) on the pool: (key, buffers, hash) each, in order.
+
+        A shard ``reuse`` holds with the same hash is not encoded: its buffers are None.
+        """
+        jobs = [functools.partial(_encode_one, *s, reuse) for s in shards]
         sizes = [s[2].nbytes for s in shards]
         if sum(sizes) < INLINE_SHARD_BYTES * len(shards):
             return [job() for job in jobs]
@@ -364,9 +369,12 @@ def _write_shard(storage: Storage, meta: ArrayMeta, idx: tuple[int, ...], data: 
     storage.write(meta.shard_key(idx), encode_shard(data, meta, idx))
 
 
-def _encode_one(meta: ArrayMeta, idx: tuple[int, ...], data: np.ndarray) -> tuple[str, list[Any], str]:
-    parts = encode_shard(data, meta, idx)
-    return meta.shard_key(idx), parts, digest(parts)
+def _encode_one(meta: ArrayMeta, idx: tuple[int, ...], data: np.ndarray, reuse: Reusable | None
+                ) -> tuple[str, list[Any] | None, str]:
+    key, sha = meta.shard_key(idx), digest(meta, idx, data)
+    if reuse is not None and reuse.find(key, sha) is not None:
+        return key, None, sha  # the base holds these bytes: nothing to encode
+    return key, encode_shard(data, meta, idx), sha
 
 
 def single_process(options: dict[str, Any]) -> dict[str, Any]:
@@ -415,8 +423,8 @@ def create(url: str, layouts: LayoutSpec, **options: Any) -> CheckpointWriter:
         this many bytes in memory (256 MiB), then write them as one object.
         ``base``: an incremental save (packed form): the URL of an earlier
         committed packed save, this checkpoint itself or one beside it (a
-        manager's previous step); a shard whose bytes (their XXH3-128 hash) equal what the
-        base's same rank wrote under the same key is referenced, not written
+        manager's previous step); a shard whose values and encoding (their XXH3-128 hash)
+        equal what the base's same rank wrote under the same key is referenced, not encoded or written
         (:mod:`reshard.store.incremental`).
         ``durable`` (default True): local files are fsynced, and every object a
         manifest or the commit marker announces is on disk before they are

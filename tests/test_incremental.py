@@ -81,6 +81,43 @@ def test_a_step_beside_its_base_writes_only_what_changed(tmp_path):
     assert same.returncode == 0 and "3 identical by their shard hashes" in same.stdout
 
 
+def test_a_compressed_step_does_not_compress_what_it_reuses(tmp_path, monkeypatch):
+    """Shard hashes are of the values (and their encoding), so an unchanged shard is never encoded again."""
+    from numcodecs import Zstd
+
+    save(str(tmp_path / "step-1"), state(1), compression="zstd")
+    calls = []
+    real = Zstd.encode
+    monkeypatch.setattr(Zstd, "encode", lambda self, buf: calls.append(1) or real(self, buf))
+    save(str(tmp_path / "step-2"), state(2), base=str(tmp_path / "step-1"), compression="zstd")
+    assert data_bytes(tmp_path / "step-2") <= 0.10 * data_bytes(tmp_path / "step-1")
+    chunks_changed = len(calls)  # only lora.a and lora.b were compressed
+    check(str(tmp_path / "step-2"), state(2))
+    calls.clear()
+    save(str(tmp_path / "step-3"), state(3))  # another encoding (no compression) shares no hashes
+    save(str(tmp_path / "step-4"), state(3), base=str(tmp_path / "step-2"))
+    assert data_bytes(tmp_path / "step-4") >= data_bytes(tmp_path / "step-3") * 0.99  # nothing reused
+    assert chunks_changed == RANKS + 1  # a chunk of lora.a per rank, lora.b once (replica 0); base.w none
+    check(str(tmp_path / "step-4"), state(3))
+
+
+def test_shard_hashes_cover_values_and_encoding_not_memory_layout():
+    from reshard.store.incremental import digest
+
+    writer = rs.create("memory://digest-test/ck", L)
+    meta = writer.meta("base.w", L["base.w"], "float32")
+    idx = (0, 0)
+    values = np.arange(16 * 512, dtype=np.float32).reshape(16, 512)
+    strided = np.asfortranarray(values)  # same values, other memory order
+    assert digest(meta, idx, values) == digest(meta, idx, strided) == digest(meta, idx, values.astype(">f4"))
+    assert digest(meta, idx, values).startswith("xxh3_128v:")
+    changed = values.copy()
+    changed[7, 300] += 1
+    assert digest(meta, idx, changed) != digest(meta, idx, values)
+    zstd = rs.create("memory://digest-test/z", L, compression="zstd").meta("base.w", L["base.w"], "float32")
+    assert digest(zstd, idx, values) != digest(meta, idx, values)
+
+
 def test_an_overwrite_reuses_the_replaced_generation_and_gc_keeps_what_it_references(tmp_path):
     url = str(tmp_path / "ck")
     save(url, state(1))
