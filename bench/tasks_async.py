@@ -53,7 +53,7 @@ class CopyTo(_State):
     def prepare(self, rep: int) -> None:
         with open(os.path.join(self.url, "previous"), "wb") as f:
             for a in self.dst.values():
-                f.write(memoryview(a).cast("B"))
+                f.write(a.tobytes())  # the bytes before each run, as a training loop overwrites
 
     def run(self, rep: int) -> None:
         for n, a in self.state.items():
