@@ -28,7 +28,6 @@ someone crafting colliding weights on purpose.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +37,6 @@ import xxhash
 from reshard.layouts.errors import FormatError, UncommittedCheckpointError
 
 from .format.encode import bytes_view
-from .format.meta import ArrayMeta
 from .format.refs import Location
 from .io.storage import Storage
 from .manifests import read_manifest, read_manifests
@@ -48,12 +46,10 @@ from .protocol import Marker, generation_storage, read_marker
 HASH = "xxh3_128v"
 
 
-def digest(meta: ArrayMeta, idx: tuple[int, ...], data: np.ndarray) -> str:
-    """``xxh3_128v:<hex>`` of shard ``idx``'s values ``data`` and of how ``meta`` encodes them."""
-    h = xxhash.xxh3_128()
-    how = [data.dtype.name, data.dtype.itemsize, list(data.shape), list(meta.chunk), list(meta.chunks_in(idx)),
-           meta.compressor, meta.checksums]
-    h.update(json.dumps(how).encode())
+def digest(encoding: bytes, data: np.ndarray) -> str:
+    """``xxh3_128v:<hex>`` of a shard's ``encoding`` (:func:`~reshard.store.format.encode.shard_encoding`)
+    and its values ``data``."""
+    h = xxhash.xxh3_128(encoding)
     _update(h, data.astype(data.dtype.newbyteorder("<"), copy=False))
     return f"{HASH}:{h.hexdigest()}"
 

@@ -20,6 +20,7 @@ from reshard.layouts import Layout
 from reshard.layouts.errors import RankError
 
 from .format.dtypes import numpy_dtype
+from .format.encode import shard_encoding
 from .format.grid import choose_grid
 from .format.meta import MIN_CHUNK_BYTES, ArrayMeta, inner_chunk_shape
 from .format.shard import SMALL_SHARD_BYTES
@@ -56,13 +57,15 @@ class RankPart:
     region : tuple of slice
         The block's global region.
     shards : tuple
-        ``(grid index, slices of the block holding the shard)`` per shard the block covers.
+        ``(grid index, slices of the block holding the shard, its encoding)`` per shard
+        the block covers (:func:`~reshard.store.format.encode.shard_encoding`, hashed
+        with the values).
     """
 
     local_shape: tuple[int, ...]
     writes: bool
     region: tuple[slice, ...]
-    shards: tuple[tuple[tuple[int, ...], tuple[Any, ...]], ...]
+    shards: tuple[tuple[tuple[int, ...], tuple[Any, ...], bytes], ...]
 
 
 @dataclass(frozen=True)
@@ -90,13 +93,15 @@ class TensorPlan:
         return part
 
 
-def block_shards(meta: ArrayMeta, region: tuple[slice, ...]) -> tuple[tuple[tuple[int, ...], tuple[Any, ...]], ...]:
-    """The shards a block of ``region`` covers: (grid index, the slices of the block's array holding it) each."""
+def block_shards(meta: ArrayMeta, region: tuple[slice, ...]
+                 ) -> tuple[tuple[tuple[int, ...], tuple[Any, ...], bytes], ...]:
+    """The shards a block of ``region`` covers: (grid index, the slices of the block's array holding it,
+    its encoding) each."""
     out = []
     for idx in meta.shards_in(region):
         within = tuple(slice(s.start - r.start, s.stop - r.start) for s, r in zip(meta.shard_region(idx), region,
                                                                                    strict=True))
-        out.append((idx, (*within, ...)))  # the Ellipsis keeps 0-d an array
+        out.append((idx, (*within, ...), shard_encoding(meta, idx)))  # the Ellipsis keeps 0-d an array
     return tuple(out)
 
 

@@ -210,8 +210,8 @@ class CheckpointWriter:
         mine = [(p, tensors[n]) for n, p in sorted(plans.items(), key=_geometry) if p.at(rank).writes]
         if self.form == "packed":  # one object: the shards back to back, then the manifest
             reuse = self.base.for_rank(rank) if self.base is not None else Reusable()
-            blobs = self._encode([(p.meta, idx, arr[within]) for p, arr in mine for idx, within in p.at(rank).shards],
-                                 reuse)
+            blobs = self._encode([(p.meta, idx, arr[within], how) for p, arr in mine
+                                  for idx, within, how in p.at(rank).shards], reuse)
             found = {key: reuse.find(key, sha) for key, parts, sha in blobs if parts is None}
             fresh = [(key, parts) for key, parts, _ in blobs if parts is not None]
             objects, where = packed.plan_pack(f"{self.generation}/{PACKED_DIR}", str(rank), fresh, self.object_bytes)
@@ -292,19 +292,20 @@ class CheckpointWriter:
             self.storage.write_atomic(manifest_key(rank), with_digest(manifest))
 
     def _shards(self, meta: ArrayMeta, region: tuple[slice, ...], local: np.ndarray
-                ) -> list[tuple[ArrayMeta, tuple[int, ...], np.ndarray]]:
-        """The shards of a block: (record, grid index, the shard's part of ``local``) each."""
-        return [(meta, idx, local[within]) for idx, within in block_shards(meta, region)]
+                ) -> list[tuple[ArrayMeta, tuple[int, ...], np.ndarray, bytes]]:
+        """The shards of a block: (record, grid index, the shard's part of ``local``, its encoding) each."""
+        return [(meta, idx, local[within], how) for idx, within, how in block_shards(meta, region)]
 
     def _shard_jobs(self, meta: ArrayMeta, region: tuple[slice, ...], local: np.ndarray) -> list[Any]:
         if self.engine == "tensorstore" and meta.shape:
             from .engines import write_with_tensorstore
 
             return [lambda: write_with_tensorstore(self.storage, meta, region, local)]
-        return [functools.partial(_write_shard, self.storage, *s) for s in self._shards(meta, region, local)]
+        return [functools.partial(_write_shard, self.storage, m, idx, data)
+                for m, idx, data, _ in self._shards(meta, region, local)]
 
-    def _encode(self, shards: list[tuple[ArrayMeta, tuple[int, ...], np.ndarray]], reuse: Reusable | None = None
-                ) -> list[tuple[str, Any, str]]:
+    def _encode(self, shards: list[tuple[ArrayMeta, tuple[int, ...], np.ndarray, bytes]],
+                reuse: Reusable | None = None) -> list[tuple[str, Any, str]]:
         """Hash and encode shards (XXH3, crc32c, compression) on the pool: (key, buffers, hash) each, in order.
 
         A shard ``reuse`` holds with the same hash is not encoded: its buffers are None.
@@ -369,9 +370,9 @@ def _write_shard(storage: Storage, meta: ArrayMeta, idx: tuple[int, ...], data: 
     storage.write(meta.shard_key(idx), encode_shard(data, meta, idx))
 
 
-def _encode_one(meta: ArrayMeta, idx: tuple[int, ...], data: np.ndarray, reuse: Reusable | None
+def _encode_one(meta: ArrayMeta, idx: tuple[int, ...], data: np.ndarray, how: bytes, reuse: Reusable | None
                 ) -> tuple[str, list[Any] | None, str]:
-    key, sha = meta.shard_key(idx), digest(meta, idx, data)
+    key, sha = meta.shard_key(idx), digest(how, data)
     if reuse is not None and reuse.find(key, sha) is not None:
         return key, None, sha  # the base holds these bytes: nothing to encode
     return key, encode_shard(data, meta, idx), sha

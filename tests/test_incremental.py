@@ -102,20 +102,21 @@ def test_a_compressed_step_does_not_compress_what_it_reuses(tmp_path, monkeypatc
 
 
 def test_shard_hashes_cover_values_and_encoding_not_memory_layout():
+    from reshard.store.format.encode import shard_encoding
     from reshard.store.incremental import digest
 
-    writer = rs.create("memory://digest-test/ck", L)
-    meta = writer.meta("base.w", L["base.w"], "float32")
-    idx = (0, 0)
+    meta = rs.create("memory://digest-test/ck", L).meta("base.w", L["base.w"], "float32")
+    zstd = rs.create("memory://digest-test/z", L, compression="zstd").meta("base.w", L["base.w"], "float32")
+    how = shard_encoding(meta, (0, 0))
     values = np.arange(16 * 512, dtype=np.float32).reshape(16, 512)
     strided = np.asfortranarray(values)  # same values, other memory order
-    assert digest(meta, idx, values) == digest(meta, idx, strided) == digest(meta, idx, values.astype(">f4"))
-    assert digest(meta, idx, values).startswith("xxh3_128v:")
+    assert digest(how, values) == digest(how, strided) == digest(how, values.astype(">f4"))
+    assert digest(how, values).startswith("xxh3_128v:")
     changed = values.copy()
     changed[7, 300] += 1
-    assert digest(meta, idx, changed) != digest(meta, idx, values)
-    zstd = rs.create("memory://digest-test/z", L, compression="zstd").meta("base.w", L["base.w"], "float32")
-    assert digest(zstd, idx, values) != digest(meta, idx, values)
+    assert digest(how, changed) != digest(how, values)
+    assert digest(shard_encoding(zstd, (0, 0)), values) != digest(how, values)  # another codec, another hash
+    assert shard_encoding(meta, (1, 0)) == how  # same shape and codecs: only the values tell shards apart
 
 
 def test_an_overwrite_reuses_the_replaced_generation_and_gc_keeps_what_it_references(tmp_path):

@@ -68,6 +68,17 @@ def encode_shard(data: np.ndarray, meta: ArrayMeta, index_of: tuple[int, ...] | 
     return _encode_chunks(data, meta, per)
 
 
+def shard_encoding(meta: ArrayMeta, index: tuple[int, ...]) -> bytes:
+    """What fixes shard ``index``'s stored bytes besides its values: dtype, shapes, chunks, codecs.
+
+    Equal values with an equal description encode to equal bytes (the start
+    of a shard's hash: :func:`reshard.store.incremental.digest`).
+    """
+    shape = tuple(s.stop - s.start for s in meta.shard_region(index)) if meta.shape else ()
+    per = meta.chunks_in(index) if meta.shape else ()
+    return f"{meta.dtype}/{shape}/{meta.chunk}/{per}/{meta.compressor}/{meta.checksums};".encode()
+
+
 def one_chunk_index(stored: int) -> bytes:
     """The index of a shard holding one chunk of ``stored`` bytes (crc included) at offset 0, with its crc32c."""
     raw = _ONE_CHUNK.pack(0, stored)
