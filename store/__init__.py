@@ -15,7 +15,7 @@ from .format.dtypes import register_zarr_dtypes
 from .format.meta import FORMAT_VERSION
 from .garbage import gc
 from .graph import LoadResult, load_many
-from .io.storage import IOStats
+from .io.stats import IOStats
 from .manager import CheckpointManager
 from .opening import open
 from .ops import convert, redivide, save, save_pieces

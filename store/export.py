@@ -40,7 +40,7 @@ from reshard.layouts.errors import BadNameError
 
 from . import graph
 from .format.meta import ArrayMeta
-from .io.storage import IOStats
+from .io.stats import IOStats
 
 if TYPE_CHECKING:
     from .reader import Checkpoint

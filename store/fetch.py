@@ -40,7 +40,8 @@ from .format.shard import (
     whole_read,
 )
 from .io import packed, pool
-from .io.storage import IOStats, Storage
+from .io.stats import IOStats
+from .io.storage import Storage
 
 if TYPE_CHECKING:
     from .locate import Locator
@@ -216,7 +217,7 @@ class Fetcher:
                 elif key not in self.indexes:
                     if n > self.small_shard_bytes and meta.compressor is None and not self.read_indexes:
                         index = plain_index(meta, shard)
-                        if stored_bytes(meta, index) == n:  # laid out as reshard writes it: no index round trip
+                        if stored_bytes(meta, shard, index) == n:  # laid out as reshard writes it: no index round trip
                             self.indexes[key] = index
                             continue
                     wanted[key] = (meta, shard, (obj, off, n))

@@ -31,7 +31,8 @@ from .format.meta import ArrayMeta
 from .format.refs import REFS_KEY, Location
 from .io import pool
 from .io.packed import Spans
-from .io.storage import IOStats, Storage
+from .io.stats import IOStats
+from .io.storage import Storage
 from .manifests import TAIL_GUESS, read_manifest
 from .protocol import Marker, metadata_digest
 

@@ -23,7 +23,8 @@ from .format.meta import ArrayMeta
 from .format.refs import DEFAULT_OBJECT_BYTES, PACKED_DIR, check_form
 from .io import packed, pool
 from .io.gcpause import gc_paused
-from .io.storage import IOStats, Storage
+from .io.stats import IOStats
+from .io.storage import Storage
 from .opening import open
 from .reader import Checkpoint
 from .tree import LayoutSpec, flatten, resolve_layout

@@ -25,7 +25,8 @@ from reshard.layouts.errors import (
 from .fetch import Fetcher
 from .format.meta import COMMIT_KEY, ArrayMeta
 from .io.gcpause import gc_paused
-from .io.storage import IOStats, Storage
+from .io.stats import IOStats
+from .io.storage import Storage
 from .lazy import LazyTensor, Region
 from .locate import Locator
 from .tree import LayoutSpec, flatten, resolve_layout, suggest, unflatten

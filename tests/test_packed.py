@@ -429,7 +429,7 @@ def test_plain_index_is_the_index_the_encoder_writes(grid, checksums):
                                                                                     idx))
             want = plain_index(meta, idx)
             np.testing.assert_array_equal(decode_index(raw[-meta.index_nbytes(idx):], meta, "t", idx), want)
-            assert stored_bytes(meta, want) == len(raw)
+            assert stored_bytes(meta, idx, want) == len(raw)
             count += 1
     assert count >= 18
 

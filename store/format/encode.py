@@ -126,7 +126,7 @@ def _encode_rows(data: np.ndarray, meta: ArrayMeta, count: int) -> list[Any]:
     size = math.prod(meta.chunk) * data.dtype.itemsize
     flat = np.ascontiguousarray(data.astype(data.dtype.newbyteorder("<"), copy=False)).reshape(-1).view(np.uint8)
     whole = min(count, data.shape[0] // rows)  # chunks holding full rows; the rest are padded or missing
-    stored = size + (4 if meta.checksums else 0)
+    stored = size + meta.crc_nbytes
     index = np.full((count, 2), MISSING, dtype="<u8")
     if meta.checksums and size >= VIEW_CHUNK_BYTES:  # chunks as views of data, each with its crc: no copy
         parts: list[Any] = []
@@ -161,7 +161,7 @@ def plain_index(meta: ArrayMeta, shard: tuple[int, ...]) -> np.ndarray:
     Every inner chunk that starts inside the array is stored padded to full size,
     with its crc32c, one after another in C order; a chunk wholly past the array's
     end (in an edge shard of a regular grid) is missing. Returns the ``(n, 2)``
-    uint64 index; the shard's stored length is ``stored_bytes(meta, index)``.
+    uint64 index; the shard's stored length is ``stored_bytes(meta, shard, index)``.
     """
     if meta.compressor is not None:
         raise ValueError("plain_index: the shard is compressed (its chunk sizes are known only from its index)")
@@ -172,14 +172,14 @@ def plain_index(meta: ArrayMeta, shard: tuple[int, ...]) -> np.ndarray:
         starts_inside = np.arange(n) * k < extent
         present &= starts_inside.reshape((1,) * d + (n,) + (1,) * (len(per) - d - 1))
     flat = present.reshape(-1)
-    stored = math.prod(meta.chunk) * meta.np_dtype.itemsize + (4 if meta.checksums else 0)
+    stored = meta.plain_chunk_nbytes
     index = np.full((flat.size, 2), MISSING, dtype="<u8")
     index[flat, 0] = np.arange(int(flat.sum()), dtype="<u8") * np.uint64(stored)
     index[flat, 1] = stored
     return index
 
 
-def stored_bytes(meta: ArrayMeta, index: np.ndarray) -> int:
-    """The stored length of a shard whose chunks are laid out back to back as ``index`` says."""
+def stored_bytes(meta: ArrayMeta, shard: tuple[int, ...], index: np.ndarray) -> int:
+    """The stored length of shard ``shard`` whose chunks are laid out back to back as ``index`` says."""
     present = index[:, 0] != MISSING
-    return int(index[present, 1].sum()) + 16 * index.shape[0] + 4
+    return int(index[present, 1].sum()) + meta.index_nbytes(shard)

@@ -314,6 +314,16 @@ class ArrayMeta:
         """Bytes of the shard at ``index``, unencoded (its nominal shape: an edge shard of a regular grid is padded)."""
         return math.prod(self.chunk_grid.extent(index)) * self.np_dtype.itemsize
 
+    @property
+    def crc_nbytes(self) -> int:
+        """Bytes of the crc32c stored after each chunk (0 without checksums)."""
+        return 4 if self.checksums else 0
+
+    @property
+    def plain_chunk_nbytes(self) -> int:
+        """Stored bytes of one uncompressed inner chunk: its values, padded to full size, and its crc32c."""
+        return math.prod(self.chunk) * self.np_dtype.itemsize + self.crc_nbytes
+
     def index_nbytes(self, index: tuple[int, ...] | None = None) -> int:
         """Size of a shard's index (offset/nbytes pairs plus its crc32c); a rectilinear grid needs ``index``."""
         per = self.chunks_per_shard if index is None or self.edges is None else self.chunks_in(index)

@@ -36,7 +36,7 @@ def decode_index(data: bytes, meta: ArrayMeta, key: str, shard: tuple[int, ...] 
         raise ChecksumError(f"tensor {meta.name!r}: shard index of {key!r} fails its crc32c")
     index = np.frombuffer(raw, dtype="<u8").reshape(-1, 2)
     if meta.compressor is None:  # every stored chunk is its raw bytes (+ its crc32c): the metadata must agree
-        want = math.prod(meta.chunk) * meta.np_dtype.itemsize + (4 if meta.checksums else 0)
+        want = meta.plain_chunk_nbytes
         sizes = index[index[:, 0] != MISSING, 1]
         if sizes.size and not (sizes == want).all():
             raise FormatError(f"tensor {meta.name!r}: shard {key!r} holds chunks of {int(sizes[sizes != want][0])} "
@@ -260,7 +260,7 @@ def execute_mixed(storage: Storage, req: Request, targets: Sequence[Target],
     for t in targets:
         if id(t.dest) not in flats:
             flats[id(t.dest)] = bytes_view(t.dest) if t.dest.flags.c_contiguous else None
-    tails = [4 if t.meta.checksums else 0 for t in targets]
+    tails = [t.meta.crc_nbytes for t in targets]
     fetched = 0
     if blob is None:
         pieces = _fetch(storage, req, targets, flats, tails)
@@ -373,15 +373,11 @@ def whole_read(meta: ArrayMeta, shard: tuple[int, ...], region: Region, dest: np
     if meta.compressor is not None or not meta.shape or not dest.flags.c_contiguous or dest.dtype != meta.np_dtype:
         return None
     ext = meta.chunk_grid.extent(shard)
-    if ext != meta.chunk or ext != dest.shape or nbytes != dest.nbytes + _tail(meta) + meta.index_nbytes(shard):
+    if ext != meta.chunk or ext != dest.shape or nbytes != dest.nbytes + meta.crc_nbytes + meta.index_nbytes(shard):
         return None
     if meta.shard_region(shard) != tuple(region):
         return None
     return WholeRead(meta, key, shard, offset, nbytes, bytes_view(dest), dest, region)
-
-
-def _tail(meta: ArrayMeta) -> int:
-    return 4 if meta.checksums else 0
 
 
 def execute_whole(storage: Storage, obj: str, reads: Sequence[WholeRead]) -> int:
@@ -405,7 +401,7 @@ def execute_whole(storage: Storage, obj: str, reads: Sequence[WholeRead]) -> int
     start = reads[0].offset
     storage.read_into(obj, start, buffers)
     for r, end in zip(reads, ends, strict=True):
-        crc = _tail(r.meta)
+        crc = r.meta.crc_nbytes
         if end[crc:] != one_chunk_index(r.body.nbytes + crc):  # then decode it, checked
             index = decode_index(bytes(end[crc:]), r.meta, r.key, r.shard)
             blob = memoryview(bytes(r.body) + bytes(end))

@@ -45,7 +45,7 @@ from ..writer import create, single_process
 from .sources import refuse_empty
 
 if TYPE_CHECKING:
-    from ..io.storage import IOStats
+    from ..io.stats import IOStats
 
 #: safetensors dtype -> stored dtype name.
 DTYPES = {v: k for k, v in SAFETENSORS_DTYPES.items()}

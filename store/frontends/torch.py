@@ -26,7 +26,7 @@ import numpy as np
 from reshard.layouts import Layout
 from reshard.layouts.errors import TensorNotFoundError
 
-from ..io.storage import IOStats
+from ..io.stats import IOStats
 from ..opening import open
 from ..tree import to_json
 from ..writer import create

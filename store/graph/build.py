@@ -33,7 +33,8 @@ import numpy as np
 
 from ..fetch import Fetcher
 from ..format.meta import ArrayMeta
-from ..io.storage import IOStats, Storage
+from ..io.stats import IOStats
+from ..io.storage import Storage
 from ..locate import Locator, locator_for
 from ..tree import LayoutSpec, unflatten
 from .schedule import (

@@ -1,7 +1,7 @@
 """Byte storage under one checkpoint root: any fsspec URL, with a local fast path.
 
 Everything the store reads or writes goes through :class:`Storage`, which
-counts requests and bytes (:class:`IOStats`) and retries transient failures of
+counts requests and bytes (:class:`~reshard.store.io.stats.IOStats`) and retries transient failures of
 remote stores with exponential backoff. Local files are read with ``os.preadv``
 straight into the destination buffers (no intermediate copies).
 """
@@ -16,63 +16,19 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from reshard.layouts.errors import CheckpointExistsError, ReshardError, StorageError
 
+from .stats import IOStats
+
 T = TypeVar("T")
 _IOV_MAX = 512
 #: fsync of a folder answered with these: the file system keeps its folders in order itself, or cannot.
 _NO_FOLDER_SYNC = (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF)
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
-
-
-@dataclass
-class IOStats:
-    """Counters of one operation (or of a storage's life).
-
-    Attributes
-    ----------
-    requests : int
-        Read requests sent to storage (one coalesced range is one request).
-    bytes_fetched : int
-        Bytes read from storage.
-    bytes_delivered : int
-        Bytes of tensor data handed to the caller.
-    writes : int
-        Objects written.
-    bytes_written : int
-        Bytes written.
-    tasks : int
-        Tasks run (thread-pool jobs or dask tasks).
-    retries : int
-        Requests repeated after a transient failure.
-    """
-
-    requests: int = 0
-    bytes_fetched: int = 0
-    bytes_delivered: int = 0
-    writes: int = 0
-    bytes_written: int = 0
-    tasks: int = 0
-    retries: int = 0
-
-    def add(self, **counts: int) -> None:
-        for k, v in counts.items():
-            setattr(self, k, getattr(self, k) + v)
-
-    def snapshot(self) -> IOStats:
-        return IOStats(**{f.name: getattr(self, f.name) for f in fields(self)})
-
-    def __sub__(self, other: IOStats) -> IOStats:
-        return IOStats(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
-
-    def as_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
 
 class Storage:
     """Objects under one root URL.
