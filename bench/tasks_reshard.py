@@ -33,7 +33,7 @@ def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def wait_written(writer: Any, ranks: list[int], poll: float, timeout: float = 600) -> None:
     """Block until every rank of ``ranks`` has written its manifest to ``writer``'s save (a GET per poll)."""
-    from reshard.store.manifests import has_written
+    from reshard.store.format.manifests import has_written
 
     deadline = time.monotonic() + timeout
     for r in ranks:

@@ -62,8 +62,8 @@ def available_anchors() -> set[str]:
 
 
 def has_export() -> bool:
-    """Whether ``reshard.store.export`` (safetensors export) is installed."""
-    return importlib.util.find_spec("reshard.store.export") is not None
+    """Whether ``reshard.store.read.export`` (safetensors export) is installed."""
+    return importlib.util.find_spec("reshard.store.read.export") is not None
 
 
 class Runner:
@@ -157,7 +157,7 @@ class Runner:
             self.group(label, phase, "reshard", "bench.tasks_reshard:Export", 1, {**ckpt, "out": out}, size,
                        f"largest tensor {max(s.nbytes for s in specs) // MiB} MiB")
         else:
-            self.rows.append(Row(label, phase, "reshard", Measurement(error="store/export.py not available yet")))
+            self.rows.append(Row(label, phase, "reshard", Measurement(error="store/read/export.py not available yet")))
         for s in systems:
             self.group(label, phase, s, f"bench.tasks_{s}:Export", 1,
                        {**base, "url": self.dir(f"{label}-{s}"), "out": out}, size, "whole load, then save_file")

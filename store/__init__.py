@@ -9,20 +9,20 @@ with :func:`convert`.
 from reshard.layouts.errors import *  # noqa: F403  (one errors module for the project)
 from reshard.layouts.errors import __all__ as _errors
 
-from .export import export
+from .commit.gc import gc
+from .commit.protocol import commit, unlock
 from .format.dtypes import SUPPORTED as SUPPORTED_DTYPES
 from .format.dtypes import register_zarr_dtypes
 from .format.meta import FORMAT_VERSION
-from .garbage import gc
-from .graph import LoadResult, load_many
 from .io.stats import IOStats
 from .manager import CheckpointManager
-from .opening import open
-from .ops import convert, redivide, save, save_pieces
-from .protocol import commit, unlock
-from .reader import Checkpoint, LazyTensor
-from .verify import VerifyReport, verify
-from .writer import CheckpointWriter, create
+from .ops.redivide import convert, redivide, save, save_pieces
+from .ops.verify import VerifyReport, verify
+from .read.checkpoint import Checkpoint, LazyTensor
+from .read.export import export
+from .read.graph import LoadResult, load_many
+from .read.open import open
+from .write.writer import CheckpointWriter, create
 
 __version__ = "0.1.0"
 

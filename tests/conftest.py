@@ -33,7 +33,7 @@ def s3_bucket(s3_server: LocalS3Server) -> str:
 def _directory_form(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Tests marked ``directory_form`` save in the directory form unless they say otherwise (in this process)."""
     if request.node.get_closest_marker("directory_form") is not None:
-        monkeypatch.setattr("reshard.store.writer.DEFAULT_FORM", "directory")
+        monkeypatch.setattr("reshard.store.write.writer.DEFAULT_FORM", "directory")
 
 
 @pytest.fixture(params=["packed", "directory"])

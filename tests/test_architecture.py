@@ -103,3 +103,44 @@ def test_runtime_package_does_not_import_test_servers():
     users = sorted(m for m, ts in graph.items() if "reshard.store.testing" in ts and not m.startswith(
         "reshard.store.testing"))
     assert users == []
+
+
+#: store's wings, lowest first, and the wings each may import. A wing imports only wings
+#: below it; ``write`` and ``read`` sit side by side and never import each other.
+WINGS = {
+    "io": set(),
+    "format": {"io"},
+    "commit": {"io", "format"},
+    "write": {"io", "format", "commit"},
+    "read": {"io", "format", "commit"},
+    "ops": {"io", "format", "commit", "write", "read"},
+    "frontends": {"io", "format", "commit", "write", "read", "ops"},
+    "manager": {"io", "format", "commit", "write", "read", "ops", "frontends"},
+    "cli": {"io", "format", "commit", "write", "read", "ops", "frontends", "manager"},
+    "testing": set(),
+}
+
+
+def _wing(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["reshard", "store"] else None
+
+
+def test_every_store_module_sits_in_a_wing():
+    loose = sorted(m for m in MODULES if m.startswith("reshard.store.") and _wing(m) not in WINGS)
+    assert loose == [], "store/ modules outside the wings; add them to a wing folder (or WINGS)"
+
+
+def _wing_violations(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{m} -> {t}" for m, ts in graph.items() if (w := _wing(m)) in WINGS
+                  for t in ts if (tw := _wing(t)) and tw != w and tw not in WINGS[w])
+
+
+def test_wings_import_only_the_wings_below():
+    assert _wing_violations(_graph()) == []
+
+
+def test_wing_check_reports_an_upward_import():
+    graph = {"reshard.store.read.fetch": {"reshard.store.write.writer", "reshard.store.format.meta"},
+             "reshard.store.format.meta": {"reshard.store.io.storage"}}
+    assert _wing_violations(graph) == ["reshard.store.read.fetch -> reshard.store.write.writer"]

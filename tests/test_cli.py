@@ -15,9 +15,9 @@ import pytest
 import reshard.store as rs
 from paths import zarr_root
 from reshard.layouts import Layout, dump_strategy
-from reshard.store import demo
+from reshard.store.cli import demo
 from reshard.store.cli.app import main, parse_region, short_layouts, storage_options
-from reshard.store.display import human_bytes as display_size
+from reshard.store.read.display import human_bytes as display_size
 
 
 def run(*argv: str) -> int:
@@ -300,7 +300,7 @@ def test_redivide_layout_files(ckpt_url, tmp_path, capsys):
 
 # ------------------------------------------------------ export, demo, misc
 def test_export_npz_and_torch(ckpt_url, tmp_path, capsys):
-    pytest.importorskip("reshard.store.export")
+    pytest.importorskip("reshard.store.read.export")
     src = rs.open(ckpt_url)
     path = tmp_path / "model.npz"
     assert run("export", ckpt_url, str(path)) == 0
@@ -317,7 +317,7 @@ def test_export_npz_and_torch(ckpt_url, tmp_path, capsys):
 
 
 def test_demo_quick(tmp_path, capsys):
-    pytest.importorskip("reshard.store.export")
+    pytest.importorskip("reshard.store.read.export")
     assert run("demo", "--out", str(tmp_path / "d"), "--quick") == 0
     out = capsys.readouterr().out
     assert "save 8 ranks (tp4 x dp2)" in out and "redivide 8 -> 7" in out and "VERIFIED" in out

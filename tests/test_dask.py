@@ -23,8 +23,8 @@ import pytest
 import reshard.store as rs
 from paths import zarr_root
 from reshard.layouts import Layout
-from reshard.store import graph
-from reshard.store.graph import fusion_cap, load_many
+from reshard.store.read import graph
+from reshard.store.read.graph import fusion_cap, load_many
 
 da = pytest.importorskip("dask.array")
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import reshard.store as rs
 from reshard.layouts import Layout
-from reshard.store import display
-from reshard.store.display import checkpoint_html, ranks_label, shard_map_png, shard_map_svg, tensor_html
+from reshard.store.read import display
+from reshard.store.read.display import checkpoint_html, ranks_label, shard_map_png, shard_map_svg, tensor_html
 
 SVG = "{http://www.w3.org/2000/svg}"
 LAYOUTS = {

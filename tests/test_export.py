@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import reshard.store as rs
 from reshard.layouts import Layout
-from reshard.store.export import SAFETENSORS_DTYPES, slabs
 from reshard.store.format.dtypes import numpy_dtype
+from reshard.store.read.export import SAFETENSORS_DTYPES, slabs
 
 safetensors = pytest.importorskip("safetensors")
 from safetensors import safe_open  # noqa: E402

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import reshard.store as rs
 from reshard.layouts import Layout
-from reshard.store import protocol
-from reshard.store.garbage import gc
+from reshard.store.commit import protocol
+from reshard.store.commit.gc import gc
 
 L = {"m": Layout.from_dtensor((4,), ["S(0)"], (8, 2))}
 OLD = np.arange(16, dtype=np.float32).reshape(8, 2)
@@ -145,7 +145,7 @@ def test_a_killed_committer_does_not_block_the_url(tmp_path):
     _written(url, 1)
     code = textwrap.dedent(f"""
         import sys, time
-        from reshard.store import protocol
+        from reshard.store.commit import protocol
         from reshard.store.io.storage import Storage
         root = Storage({url!r})
         protocol.take_lock(root, root.child(protocol.generation_of(1)), "1")

@@ -103,7 +103,7 @@ def test_a_compressed_step_does_not_compress_what_it_reuses(tmp_path, monkeypatc
 
 def test_shard_hashes_cover_values_and_encoding_not_memory_layout():
     from reshard.store.format.encode import shard_encoding
-    from reshard.store.incremental import digest
+    from reshard.store.write.incremental import digest
 
     meta = rs.create("memory://digest-test/ck", L).meta("base.w", L["base.w"], "float32")
     zstd = rs.create("memory://digest-test/z", L, compression="zstd").meta("base.w", L["base.w"], "float32")

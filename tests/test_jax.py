@@ -59,7 +59,7 @@ def _tree(mesh: Any, specs: dict[str, Any]) -> dict[str, Any]:
     """The nested pytree of jax arrays placed with ``specs`` on ``mesh`` (numpy where spec is None)."""
     import jax
     from jax.sharding import NamedSharding
-    from reshard.store.tree import unflatten
+    from reshard.store.format.tree import unflatten
 
     flat = {}
     for name, value in _values().items():

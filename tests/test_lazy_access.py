@@ -11,7 +11,7 @@ import reshard.store as rs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reshard.layouts import Layout
-from reshard.store.subtree import SubTree
+from reshard.store.read.subtree import SubTree
 
 RNG = np.random.default_rng(14)
 SHAPE = (12, 10, 7)

@@ -311,7 +311,7 @@ def test_convert_in_place_and_the_cli(tmp_path, capsys):
 
 def test_records_json_is_the_json_of_the_records(tmp_path):
     """The trailer's records are spliced from each layout's cached text: the same bytes as one json.dumps."""
-    from reshard.store.manifests import rank_manifest, records_json
+    from reshard.store.format.manifests import rank_manifest, records_json
 
     full, layouts = state_and_layouts()
     writer = rs.create(str(tmp_path / "ck"), layouts)
@@ -345,7 +345,7 @@ def test_small_shards_are_read_straight_into_their_arrays_and_still_checked(tmp_
     are still checked: a flipped data byte, an index saying "missing" or another chunk size are refused."""
     import struct
 
-    import reshard.store.fetch as fetch
+    import reshard.store.read.fetch as fetch
     from reshard.store.format.encode import crc32c
 
     full = {f"p{i}": RNG.standard_normal((60 + i % 5, 256)).astype(np.float32) for i in range(30)}  # 2 MB
@@ -389,7 +389,7 @@ def test_small_shards_are_read_straight_into_their_arrays_and_still_checked(tmp_
 def test_references_name_every_shard_in_order_and_nothing_else(tmp_path):
     """merge_packed keeps the shards of the tensors, by tensor then grid order: a manifest entry for any other
     key (a hostile "zarr.json" would replace the root document in the references) is left out."""
-    from reshard.store.manifests import merge_packed
+    from reshard.store.format.manifests import merge_packed
 
     full, layouts = state_and_layouts()
     url = str(tmp_path / "ck")
@@ -437,7 +437,7 @@ def test_plain_index_is_the_index_the_encoder_writes(grid, checksums):
 def test_large_shards_load_without_their_index_and_verify_still_checks_it(tmp_path, monkeypatch):
     """A large uncompressed shard whose length shows the encoder's layout is read without fetching its index
     (one round trip fewer); its chunks are still crc-checked, and verify still reads and checks every index."""
-    import reshard.store.fetch as fetch
+    import reshard.store.read.fetch as fetch
 
     layouts = {f"t{i}": Layout.from_dtensor((2,), ["S(0)"], (1024, 256)) for i in range(4)}  # 512 KiB shards
     full = {n: RNG.standard_normal((1024, 256)).astype(np.float32) for n in layouts}

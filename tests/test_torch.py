@@ -296,8 +296,8 @@ def test_export_torch_for_inference(saved: Path, tmp_path: Path) -> None:
     ref = reference()
     for name, value in model.state_dict().items():
         np.testing.assert_array_equal(rt.to_numpy(value), ref[f"model.{name}"])
-    # one safetensors file, streamed with bounded memory (reshard.store.export)
-    pytest.importorskip("reshard.store.export")
+    # one safetensors file, streamed with bounded memory (reshard.store.read.export)
+    pytest.importorskip("reshard.store.read.export")
     from safetensors.torch import load_file
 
     ckpt = rs.open(str(saved / "ckpt"))

@@ -16,7 +16,7 @@ import reshard.store as rs
 import torch
 from reshard.layouts import Layout
 from reshard.store.frontends import torch as rt
-from reshard.store.frontends import torch_load
+from reshard.store.read import torch_load
 
 pytestmark = pytest.mark.torch
 

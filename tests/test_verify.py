@@ -21,9 +21,9 @@ import reshard.store as rs
 from paths import zarr_root
 from reshard.layouts import Layout
 from reshard.store.cli import main
+from reshard.store.commit.protocol import Marker
 from reshard.store.format.consolidated import summary_seal
-from reshard.store.protocol import Marker
-from reshard.store.verify import KINDS, verify
+from reshard.store.ops.verify import KINDS, verify
 
 pytestmark = pytest.mark.directory_form  # these tests look at or damage the directory form's files
 

@@ -2,8 +2,8 @@
 
 Commands: ``inspect``, ``show``, ``diff``, ``verify`` (in
 :mod:`reshard.store.cli.commands`), ``redivide``, ``export``, ``demo`` (in
-:mod:`reshard.store.cli.write`); framework ``import`` commands are added by
-``reshard.store.frontends.register_import(subparsers, common)`` when it exists.
+:mod:`reshard.store.cli.write`); framework ``import`` commands (in
+:mod:`reshard.store.cli.imports`).
 Exit codes: 0 success (``diff``: same), 1 failure (``diff``: differ), 2 usage.
 A failure prints one line, ``reshard: error: ...``, unless ``--debug``.
 """
@@ -28,6 +28,7 @@ from .commands import (
     storage_options,
     tensor_stats,
 )
+from .imports import register_import
 from .verify import cmd_verify
 from .write import (
     EXPORT_FORMATS,
@@ -190,17 +191,4 @@ def build_parser() -> argparse.ArgumentParser:
     register_import(sub, common)
     return parser
 
-
-def register_import(subparsers: Any, common: argparse.ArgumentParser) -> None:
-    """Let the framework front ends add their ``import`` commands.
-
-    Calls ``reshard.store.frontends.register_import(subparsers, common)`` if the
-    front ends define it. It adds subcommands with ``parents=[common]`` (for
-    ``--storage-option``) and ``set_defaults(func=f)``, ``f(args) -> int``.
-    """
-    from .. import frontends
-
-    hook = getattr(frontends, "register_import", None)
-    if hook is not None:
-        hook(subparsers, common)
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from ..display import human_bytes
 from ..format.meta import ArrayMeta
-from ..graph.schedule import progress_bar
+from ..read.display import human_bytes
+from ..read.graph.schedule import progress_bar
 
 Region = tuple[slice, ...]
 #: Bytes of one tensor read at a time by ``diff``, ``verify`` (bounded memory).
@@ -66,7 +66,7 @@ def parse_region(text: str) -> tuple[Any, ...]:
 
 def open_url(url: str, args: argparse.Namespace, **kw: Any) -> Any:
     """Open a checkpoint with the command's ``--storage-option`` values (a bad one is a usage error)."""
-    from ..opening import open as open_checkpoint
+    from ..read.open import open as open_checkpoint
 
     try:
         opts = storage_options(args.storage_option)
@@ -123,7 +123,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         raise UncommittedCheckpointError(f"{e} ('reshard inspect --uncommitted' shows what was written)") from None
     names = sorted((n for n in ckpt.arrays if _match(n, args.pattern)), key=_natural)
     if args.pattern and not names:
-        from ..tree import suggest
+        from ..format.tree import suggest
 
         hint = suggest(args.pattern, ckpt.names())
         raise TensorNotFoundError(f"{ckpt.url}: no tensor matches {args.pattern!r}{hint}")
@@ -311,7 +311,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     A tensor both store on the same shard grid with equal shard hashes (packed
     saves record them) is identical without reading its data.
     """
-    from ..incremental import same_by_hash, shard_hashes
+    from ..write.incremental import same_by_hash, shard_hashes
 
     a, b = open_url(args.url_a, args), open_url(args.url_b, args)
     added = sorted(set(b.arrays) - set(a.arrays), key=_natural)

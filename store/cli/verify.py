@@ -1,4 +1,7 @@
-"""``reshard verify URL``: every metadata document, every shard, every chunk (see :mod:`reshard.store.verify`)."""
+"""``reshard verify URL``: every metadata document, every shard, every chunk.
+
+The checks are in :mod:`reshard.store.ops.verify`.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +10,15 @@ import contextlib
 
 from reshard.layouts.errors import ReshardError
 
-from ..display import human_bytes
-from ..graph.schedule import progress_bar
+from ..read.display import human_bytes
+from ..read.graph.schedule import progress_bar
 from .commands import emit, storage_options
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Exit 0 when sound, 1 on any damage; each line names its kind and the file or tensor."""
-    from ..opening import open as open_checkpoint
-    from ..verify import verify
+    from ..ops.verify import verify
+    from ..read.open import open as open_checkpoint
 
     try:
         opts = storage_options(args.storage_option)

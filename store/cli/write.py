@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..display import human_bytes
 from ..format.meta import ArrayMeta
+from ..read.display import human_bytes
 from .commands import emit, open_url, storage_options
 
 #: Name components that mark optimizer states for ``redivide --opt-shard``.
@@ -67,7 +67,7 @@ def cmd_redivide(args: argparse.Namespace) -> int:
     """``reshard redivide SRC DST``: write SRC again under ``--layout`` or ``--tp/--dp`` layouts."""
     from reshard.layouts.errors import CheckpointExistsError
 
-    from ..ops import redivide
+    from ..ops.redivide import redivide
 
     ckpt = open_url(args.src, args)
     opts = storage_options(args.storage_option)
@@ -99,7 +99,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     """``reshard convert SRC DST --form F``: write SRC again in storage form F, same layouts."""
     from reshard.layouts.errors import CheckpointExistsError
 
-    from ..ops import convert
+    from ..ops.redivide import convert
 
     ckpt = open_url(args.src, args)
     t0 = time.perf_counter()
@@ -170,8 +170,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """``reshard demo``: run :func:`reshard.store.demo.run_demo` (a table, or its rows with ``--json``)."""
-    from ..demo import run_demo
+    """``reshard demo``: run :func:`reshard.store.cli.demo.run_demo` (a table, or its rows with ``--json``)."""
+    from .demo import run_demo
 
     rows = run_demo(args.out, ranks=args.ranks, quick=args.quick, echo=None if args.json else print)
     if args.json:
@@ -182,8 +182,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------ maintenance
 def cmd_gc(args: argparse.Namespace) -> int:
-    """``reshard gc``: delete replaced and abandoned saves (see :func:`reshard.store.garbage.gc`)."""
-    from ..garbage import gc
+    """``reshard gc``: delete replaced and abandoned saves (see :func:`reshard.store.commit.gc.gc`)."""
+    from ..commit.gc import gc
 
     done = gc(args.url, min_age=args.min_age, dry_run=args.dry_run, storage_options=storage_options(
         args.storage_option))
@@ -199,7 +199,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 def cmd_unlock(args: argparse.Namespace) -> int:
     """``reshard unlock``: remove the commit lock of a save whose committer died."""
-    from ..protocol import unlock
+    from ..commit.protocol import unlock
 
     found = unlock(args.url, args.save_id, storage_options=storage_options(args.storage_option))
     emit(args, {"unlocked": found}, f"removed the commit lock of save {args.save_id!r}" if found

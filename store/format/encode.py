@@ -72,7 +72,7 @@ def shard_encoding(meta: ArrayMeta, index: tuple[int, ...]) -> bytes:
     """What fixes shard ``index``'s stored bytes besides its values: dtype, shapes, chunks, codecs.
 
     Equal values with an equal description encode to equal bytes (the start
-    of a shard's hash: :func:`reshard.store.incremental.digest`).
+    of a shard's hash: :func:`reshard.store.write.incremental.digest`).
     """
     shape = tuple(s.stop - s.start for s in meta.shard_region(index)) if meta.shape else ()
     per = meta.chunks_in(index) if meta.shape else ()

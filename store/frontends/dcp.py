@@ -19,9 +19,9 @@ from typing import Any
 from reshard.layouts import Layout
 from reshard.layouts.errors import CheckpointNotFoundError, FormatError
 
+from ..format.tree import to_json
 from ..io.storage import Storage
-from ..tree import to_json
-from ..writer import create, single_process
+from ..write.writer import create, single_process
 from .sources import local_path, refuse_empty
 
 #: The globals a DCP ``.metadata`` pickle may name, besides torch dtypes and layouts.
@@ -148,7 +148,7 @@ def import_dcp(src: str, dst: str, *, src_storage_options: dict[str, Any] | None
         ``{"tensors": n, "leaves": n, "bytes": n, "skipped": [names]}``:
         ``skipped`` names non-tensor items that are not JSON (warned about).
     """
-    from .torch_arrays import to_numpy
+    from ..format.torch_arrays import to_numpy
 
     src_store = Storage(local_path(src), src_storage_options)
     try:

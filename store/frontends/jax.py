@@ -30,10 +30,10 @@ from reshard.layouts.errors import (
 )
 
 from ..format.meta import ArrayMeta
-from ..opening import open
-from ..reader import Checkpoint
-from ..tree import to_json, unflatten
-from ..writer import CheckpointWriter, create, single_process
+from ..format.tree import to_json, unflatten
+from ..read.checkpoint import Checkpoint
+from ..read.open import open
+from ..write.writer import CheckpointWriter, create, single_process
 from .sources import local_path, refuse_empty
 
 Region = tuple[slice, ...]

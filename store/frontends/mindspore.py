@@ -45,10 +45,10 @@ from reshard.layouts.errors import (
 )
 
 from ..format.dtypes import numpy_dtype
-from ..opening import open
-from ..reader import Checkpoint
-from ..tree import flatten
-from ..writer import create, single_process
+from ..format.tree import flatten
+from ..read.checkpoint import Checkpoint
+from ..read.open import open
+from ..write.writer import create, single_process
 from .mindspore_ckpt import SLICE_BYTES, TYPES, Header, ckpt_headers, parse_ckpt, read_ckpt, write_ckpt
 from .sources import refuse_empty
 

@@ -46,10 +46,10 @@ import numpy as np
 from reshard.layouts import Layout
 from reshard.layouts.errors import BadNameError, LayoutError
 
-from ..opening import open
-from ..reader import Checkpoint
-from ..tree import flatten, is_tensor, unflatten
-from ..writer import CheckpointWriter, create, single_process
+from ..format.tree import flatten, is_tensor, unflatten
+from ..read.checkpoint import Checkpoint
+from ..read.open import open
+from ..write.writer import CheckpointWriter, create, single_process
 from .oneflow_npz import KeyPath, key_str, load_npz, save_npz, walk
 
 SbpLike = Any  # an SBP, a tuple of them, or a callback (state_dict, tensor) -> SBP

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from reshard.layouts.errors import BadNameError, CheckpointNotFoundError
 
-from ..tree import is_tensor
+from ..format.tree import is_tensor
 
 KeyPath = tuple[str, ...]
 

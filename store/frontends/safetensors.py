@@ -36,12 +36,12 @@ import numpy as np
 from reshard.layouts import Layout
 from reshard.layouts.errors import BadNameError, CheckpointNotFoundError, DTypeMismatchError, FormatError
 
-from ..export import SAFETENSORS_DTYPES
 from ..format.dtypes import numpy_dtype
-from ..opening import open as open_checkpoint
-from ..reader import Checkpoint
-from ..tree import LayoutSpec, resolve_layout
-from ..writer import create, single_process
+from ..format.tree import LayoutSpec, resolve_layout
+from ..read.checkpoint import Checkpoint
+from ..read.export import SAFETENSORS_DTYPES
+from ..read.open import open as open_checkpoint
+from ..write.writer import create, single_process
 from .sources import refuse_empty
 
 if TYPE_CHECKING:
@@ -268,7 +268,7 @@ def import_safetensors(src: str | os.PathLike[str], dst_url: str, *, layouts: La
     chosen = {n: resolve_layout(rule, n, e.shape) for n, (_, e) in where.items()}
     writer = create(dst_url, chosen, **single_process(options))
     metas = {n: writer.meta(n, chosen[n], e.dtype, single_writer=True) for n, (_, e) in where.items()}
-    from ..graph.schedule import progress_bar
+    from ..read.graph.schedule import progress_bar
 
     with progress_bar(sum(e.nbytes for _, e in where.values()), "import safetensors", progress, unit="B") as bar:
         for header in headers:
@@ -359,7 +359,7 @@ def export_safetensors(src: str | Checkpoint, folder: str | os.PathLike[str], *,
     storage_options : dict, optional
         fsspec options of ``src``.
     **options
-        As for :func:`reshard.store.export.export` (``budget``, ``scheduler``...).
+        As for :func:`reshard.store.read.export.export` (``budget``, ``scheduler``...).
 
     Returns
     -------

@@ -26,12 +26,12 @@ import numpy as np
 from reshard.layouts import Layout
 from reshard.layouts.errors import TensorNotFoundError
 
+from ..format.torch_arrays import from_numpy, to_numpy
+from ..format.tree import to_json
 from ..io.stats import IOStats
-from ..opening import open
-from ..tree import to_json
-from ..writer import create
+from ..read.open import open
+from ..write.writer import create
 from .dcp import import_dcp, read_dcp_metadata
-from .torch_arrays import from_numpy, to_numpy
 
 # (also StorageWriter and StorageReader, through __getattr__: they import torch)
 __all__ = ["export_torch", "from_numpy", "import_dcp", "layout_of", "load", "read_dcp_metadata", "save", "to_numpy"]

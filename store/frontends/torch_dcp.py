@@ -53,11 +53,11 @@ from torch.distributed.checkpoint.storage import StorageWriter as _Writer
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ..opening import open
-from ..tree import to_json
-from ..writer import create
+from ..format.torch_arrays import from_numpy, to_numpy
+from ..format.tree import to_json
+from ..read.open import open
+from ..write.writer import create
 from .dcp import _regroup
-from .torch_arrays import from_numpy, to_numpy
 
 __all__ = ["StorageReader", "StorageWriter"]
 

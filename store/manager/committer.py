@@ -6,7 +6,7 @@ lowest rank of the layouts) knows which ranks must write (the layouts say),
 and in a background thread reads their manifests **by key**, in rank order:
 one GET per manifest that is there, and while the first missing one is not,
 one GET per poll with exponential backoff. Then it commits the step as an
-ordinary reshard checkpoint (:func:`reshard.store.protocol.commit`, with the
+ordinary reshard checkpoint (:func:`reshard.store.commit.protocol.commit`, with the
 manifests it read) between two atomic writes of the index
 ``root/manager.json`` (the step flagged ``committing``, then confirmed: see
 :mod:`.index`) and applies retention. A save costs no LIST request at all;
@@ -29,9 +29,9 @@ from typing import Any
 
 from reshard.layouts.errors import UncommittedCheckpointError
 
+from ..commit.protocol import commit, generation_of, read_marker
+from ..format.manifests import describe_missing, has_written, read_manifest
 from ..io.storage import Storage
-from ..manifests import describe_missing, has_written, read_manifest
-from ..protocol import commit, generation_of, read_marker
 from .index import INDEX_KEY, Index, StepRecord, is_committed, read_index, step_dir, step_of, write_index
 from .retention import Retention, delete_steps, plan, referenced, referenced_steps
 

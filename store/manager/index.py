@@ -22,9 +22,9 @@ from typing import Any
 
 from reshard.layouts.errors import FormatError
 
+from ..commit.protocol import loads_json
 from ..format.meta import COMMIT_KEY
 from ..io.storage import Storage
-from ..protocol import loads_json
 
 #: The index object under the root.
 INDEX_KEY = "manager.json"

@@ -15,8 +15,8 @@ import numpy as np
 from reshard.layouts import Layout
 from reshard.layouts.errors import CheckpointNotFoundError, LayoutError
 
+from ..format.tree import to_json
 from ..frontends import jax as rj
-from ..tree import to_json
 from .manager import CheckpointManager
 
 

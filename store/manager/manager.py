@@ -30,12 +30,12 @@ from typing import Any
 import numpy as np
 from reshard.layouts.errors import CheckpointNotFoundError, UncommittedCheckpointError
 
+from ..format.manifests import read_manifest
+from ..format.tree import LayoutSpec, flatten, resolve_layout, to_json
 from ..io.storage import Storage
-from ..manifests import read_manifest
-from ..opening import open as open_checkpoint
-from ..reader import Checkpoint
-from ..tree import LayoutSpec, flatten, resolve_layout, to_json
-from ..writer import CheckpointWriter
+from ..read.checkpoint import Checkpoint
+from ..read.open import open as open_checkpoint
+from ..write.writer import CheckpointWriter
 from .committer import Committer
 from .index import StepRecord, committed_steps, metrics_of, read_index, step_dir
 from .retention import Retention
@@ -88,7 +88,7 @@ class CheckpointManager:
     incremental : bool
         Write each step in the packed form with the latest committed step as
         its base: shards whose bytes did not change are referenced, not
-        written again (:mod:`reshard.store.incremental`). Retention keeps the
+        written again (:mod:`reshard.store.write.incremental`). Retention keeps the
         objects a kept step references.
     storage_options : dict, optional
         fsspec options (credentials, endpoint...).
@@ -433,7 +433,7 @@ def _process_ranks(rank: int | Iterable[int] | None, committer: int) -> set[int]
 def _host(value: Any) -> Any:
     """A value the writer can take as a numpy array (torch through its bit-exact view)."""
     if _is_torch(value):
-        from ..frontends.torch_arrays import to_numpy
+        from ..format.torch_arrays import to_numpy
 
         return to_numpy(value)
     if _is_jax(value):

@@ -22,10 +22,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..commit.gc import delete_except, reused_objects
+from ..commit.protocol import read_marker
 from ..format.meta import COMMIT_KEY
-from ..garbage import delete_except, reused_objects
 from ..io.storage import Storage
-from ..protocol import read_marker
 from .index import Index, StepRecord, step_dir, step_of
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from ..io import pool
-from ..reader import allocate
+from ..read.checkpoint import allocate
 
 #: States from this many bytes are copied by the I/O pool's threads (one per core), in pieces of
 #: ``PIECE_BYTES``, on machines of at least ``PARALLEL_CORES`` cores. Threads help when cores are free,
@@ -51,7 +51,7 @@ def host_dtype(value: Any) -> np.dtype[Any]:
     if _is_torch(value):
         import torch
 
-        from ..frontends.torch_arrays import to_numpy
+        from ..format.torch_arrays import to_numpy
 
         return to_numpy(torch.empty(0, dtype=value.dtype)).dtype
     return np.dtype(value.dtype)
@@ -190,7 +190,7 @@ def _copy_jobs(src: np.ndarray, dst: np.ndarray) -> list[Callable[[], None]]:
 def _copy_torch(value: Any, dst: np.ndarray, on_gpu: bool) -> None:
     import torch
 
-    from ..frontends.torch_arrays import from_numpy
+    from ..format.torch_arrays import from_numpy
 
     with torch.no_grad():
         from_numpy(dst).copy_(value.detach(), non_blocking=on_gpu)

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ..format.tree import to_json
 from ..frontends import torch as rt
-from ..tree import to_json
 from .index import step_dir
 from .manager import CheckpointManager
 

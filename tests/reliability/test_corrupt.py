@@ -16,7 +16,7 @@ import json
 
 import reshard.store as rs
 from harness import UNREAD_KINDS, Backend, Tally, attempt, kind_of, make_state, read_back, rng_for, same, save, trials
-from reshard.store.verify import verify
+from reshard.store.ops.verify import verify
 
 
 def _same_json(a: bytes, b: bytes) -> bool:

@@ -36,7 +36,7 @@ from harness import RANKS, Backend, Tally, attempt, make_state, read_back, rng_f
 from reshard.store.format.consolidated import summary_seal
 from reshard.store.format.refs import REFS_KEY, trailer, trailer_lengths
 from reshard.store.format.schema import with_digest
-from reshard.store.verify import verify
+from reshard.store.ops.verify import verify
 
 STRINGS = ["", "x", "float32", "int32", "uint8", "float64", "bfloat16", "array", "group", "regular", "zstd",
            "bytes", "crc32c", "gen-base", "end", "little"]

@@ -6,7 +6,7 @@ each of its shards went. Directory form: ``<generation>/.reshard/ranks/<rank>.js
 Packed form: the trailer at the end of the rank's data object ``packed/<rank>.bin``
 (:func:`reshard.store.format.refs.trailer`). This module reads them by key (never by
 listing, except for diagnostics), checks them, and merges them into each tensor's
-array record; :mod:`reshard.store.protocol` commits what it merges.
+array record; :mod:`reshard.store.commit.protocol` commits what it merges.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from typing import Any
 from reshard.layouts import Layout
 from reshard.layouts.errors import DTypeMismatchError, FormatError, UncommittedCheckpointError
 
-from .format.grid import Grid, allowed_grids, choose_grid
-from .format.meta import FORMAT_VERSION, META_DIR, ArrayMeta
-from .format.refs import PACKED_DIR, rank_object, trailer_lengths
-from .format.schema import check_manifest, check_names, check_tensors, loads_json
-from .io import pool
-from .io.storage import Storage
+from ..io import pool
+from ..io.storage import Storage
+from .grid import Grid, allowed_grids, choose_grid
+from .meta import FORMAT_VERSION, META_DIR, ArrayMeta
+from .refs import PACKED_DIR, rank_object, trailer_lengths
+from .schema import check_manifest, check_names, check_tensors, loads_json
 
 
 def rank_manifest(rank: int, save_id: str, metas: Mapping[str, ArrayMeta], leaves: dict[str, Any],

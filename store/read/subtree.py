@@ -1,6 +1,6 @@
 """Sub-tree views of a checkpoint: ``ck["model"]`` is the part of the state under ``model.``.
 
-A :class:`SubTree` is a lazy mapping like :class:`~reshard.store.reader.Checkpoint`
+A :class:`SubTree` is a lazy mapping like :class:`~reshard.store.read.checkpoint.Checkpoint`
 itself, keyed by the tensors' names relative to its prefix: ``ck["model"]["layers.0.w"]``
 is ``ck["model.layers.0.w"]``. It reads nothing until asked (``load``, ``read_all``
 or a tensor's ``read``).
@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 from reshard.layouts.errors import TensorNotFoundError
 
+from ..format.meta import ArrayMeta
+from ..format.tree import LayoutSpec, flatten, suggest
 from .display import human_bytes
-from .format.meta import ArrayMeta
-from .tree import LayoutSpec, flatten, suggest
 
 if TYPE_CHECKING:
+    from .checkpoint import Checkpoint
     from .lazy import LazyTensor
-    from .reader import Checkpoint
 
 
 class SubTree(Mapping[str, "LazyTensor"]):

@@ -36,11 +36,11 @@ import numpy as np
 import xxhash
 from reshard.layouts.errors import FormatError, UncommittedCheckpointError
 
-from .format.encode import bytes_view
-from .format.refs import Location
-from .io.storage import Storage
-from .manifests import read_manifest, read_manifests
-from .protocol import Marker, generation_storage, read_marker
+from ..commit.protocol import Marker, generation_storage, read_marker
+from ..format.encode import bytes_view
+from ..format.manifests import read_manifest, read_manifests
+from ..format.refs import Location
+from ..io.storage import Storage
 
 #: The shard hash, named in every recorded value.
 HASH = "xxh3_128v"

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 from reshard.layouts.errors import FormatError, StorageError
 
-from .format.encode import plain_index, stored_bytes
-from .format.meta import ArrayMeta
-from .format.refs import Location
-from .format.shard import (
+from ..format.encode import plain_index, stored_bytes
+from ..format.meta import ArrayMeta
+from ..format.refs import Location
+from ..format.shard import (
     SMALL_SHARD_BYTES,
     ChunkRead,
     Request,
@@ -39,12 +39,12 @@ from .format.shard import (
     plan_reads,
     whole_read,
 )
-from .io import packed, pool
-from .io.stats import IOStats
-from .io.storage import Storage
+from ..io import packed, pool
+from ..io.stats import IOStats
+from ..io.storage import Storage
 
 if TYPE_CHECKING:
-    from .locate import Locator
+    from ..commit.locate import Locator
 
 Region = tuple[slice, ...]
 
@@ -79,7 +79,7 @@ class Fetcher:
     indexes : dict, optional
         A shard-index cache to share (dask tasks of one checkpoint share one).
     locator : Locator, optional
-        A packed save's shard locations (:mod:`reshard.store.locate`); ``root`` is
+        A packed save's shard locations (:mod:`reshard.store.commit.locate`); ``root`` is
         then the checkpoint root they are relative to. None: the directory form.
     """
 
@@ -112,7 +112,7 @@ class Fetcher:
         """
         delivered = sum(d.nbytes for _, _, d in jobs)
         if self.engine != "fast":  # the general engines do their own I/O: only deliveries are known
-            from .engines import read_with_engine
+            from ..format.engines import read_with_engine
 
             for meta, region, dest in jobs:
                 dest[...] = read_with_engine(self, meta, region)

@@ -31,11 +31,11 @@ import ml_dtypes
 import numpy as np
 from reshard.layouts import Layout
 
-from .garbage import gc
-from .opening import open as open_checkpoint
-from .ops import redivide
-from .tree import unflatten
-from .writer import create
+from ..commit.gc import gc
+from ..format.tree import unflatten
+from ..ops.redivide import redivide
+from ..read.open import open as open_checkpoint
+from ..write.writer import create
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 #: Model sizes: (vocab, hidden, ffn, layers).

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from reshard.layouts import Layout
 
 if TYPE_CHECKING:
-    from .reader import Checkpoint, LazyTensor
+    from .checkpoint import Checkpoint, LazyTensor
 
 Region = tuple[slice, ...]
 #: Soft fill colours, one per writing rank (cycled).

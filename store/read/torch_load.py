@@ -1,6 +1,6 @@
 """``Checkpoint.load(..., as_="torch", device=..., pin_memory=...)``: torch tensors straight from the reads.
 
-Fresh tensors are cut from one byte buffer (as :func:`reshard.store.reader.allocate`
+Fresh tensors are cut from one byte buffer (as :func:`reshard.store.read.checkpoint.allocate`
 does for numpy), pinned when asked or when they go to an accelerator, and
 the reads land in it directly. For an accelerator device each tensor is then
 copied with ``non_blocking=True`` and the stream synchronised before
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from reshard.layouts.errors import ShapeMismatchError
 
-from .torch_arrays import to_numpy
+from ..format.torch_arrays import to_numpy
 
 ALIGN = 64
 

@@ -26,14 +26,14 @@ from typing import Any, Protocol
 
 from reshard.layouts.errors import FormatError
 
-from .format import refs as references
-from .format.meta import ArrayMeta
-from .format.refs import REFS_KEY, Location
-from .io import pool
-from .io.packed import Spans
-from .io.stats import IOStats
-from .io.storage import Storage
-from .manifests import TAIL_GUESS, read_manifest
+from ..format import refs as references
+from ..format.manifests import TAIL_GUESS, read_manifest
+from ..format.meta import ArrayMeta
+from ..format.refs import REFS_KEY, Location
+from ..io import pool
+from ..io.packed import Spans
+from ..io.stats import IOStats
+from ..io.storage import Storage
 from .protocol import Marker, metadata_digest
 
 #: One shard to locate: its tensor's record, grid index and key.

@@ -10,7 +10,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from ..format.dtypes import dtype_name
+from .dtypes import dtype_name
 
 #: torch dtypes numpy lacks, moved bit for bit through a same-width integer view.
 _VIEWS = {

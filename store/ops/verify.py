@@ -29,16 +29,16 @@ from reshard.layouts.errors import (
     UncommittedCheckpointError,
 )
 
-from .format.meta import ArrayMeta, stored_name
-from .format.refs import REFS_KEY, References, objects_of, templates_for
-from .format.schema import check_group, check_root, loads_json
-from .io.storage import Storage
-from .locate import read_references
-from .manifests import merge_manifests, merge_packed, read_manifest
-from .opening import _file_not_checkpoint as file_not_checkpoint
-from .opening import open, parse_metadata
-from .protocol import Marker, generation_storage, read_marker
-from .reader import Checkpoint
+from ..commit.locate import read_references
+from ..commit.protocol import Marker, generation_storage, read_marker
+from ..format.manifests import merge_manifests, merge_packed, read_manifest
+from ..format.meta import ArrayMeta, stored_name
+from ..format.refs import REFS_KEY, References, objects_of, templates_for
+from ..format.schema import check_group, check_root, loads_json
+from ..io.storage import Storage
+from ..read.checkpoint import Checkpoint
+from ..read.open import _file_not_checkpoint as file_not_checkpoint
+from ..read.open import open, parse_metadata
 
 #: Every kind of damage :func:`verify` reports (docs/cli.md describes each).
 KINDS = {

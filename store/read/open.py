@@ -1,4 +1,4 @@
-"""Opening a checkpoint: the marker, the root metadata, and the :class:`~reshard.store.reader.Checkpoint` over them.
+"""Opening a checkpoint: the marker, the root metadata, and the ``Checkpoint`` over them.
 
 :func:`open` reads the commit marker and the generation's root ``zarr.json`` (two
 small reads, no data) and picks how shards are located (the ranks' manifests, or
@@ -14,15 +14,15 @@ from typing import Any
 
 from reshard.layouts.errors import CheckpointNotFoundError, FormatError, StorageError, UncommittedCheckpointError
 
-from .format import refs as references
-from .format.consolidated import RootMetadata
-from .format.meta import META_DIR, ArrayMeta
-from .io.gcpause import gc_paused
-from .io.storage import Storage
-from .locate import ByRanks, ByReferences, Locator, read_references
-from .manifests import merge_manifests, present_ranks, read_manifest, read_manifests
-from .protocol import GENERATION_PREFIX, Marker, generation_of, generation_storage, metadata_digest, read_marker
-from .reader import Checkpoint
+from ..commit.locate import ByRanks, ByReferences, Locator, read_references
+from ..commit.protocol import GENERATION_PREFIX, Marker, generation_of, generation_storage, metadata_digest, read_marker
+from ..format import refs as references
+from ..format.consolidated import RootMetadata
+from ..format.manifests import merge_manifests, present_ranks, read_manifest, read_manifests
+from ..format.meta import META_DIR, ArrayMeta
+from ..io.gcpause import gc_paused
+from ..io.storage import Storage
+from .checkpoint import Checkpoint
 
 
 @gc_paused()

@@ -1,11 +1,13 @@
-"""The commit protocol: save generations, the commit lock, the marker (manifests: :mod:`reshard.store.manifests`).
+"""The commit protocol: save generations, the commit lock, the marker.
+
+Manifests are in :mod:`reshard.store.format.manifests`.
 
 A save is a **generation**: every object it writes lives under ``url/<generation>/``
 (``gen-<save_id>``), and nothing of a generation is rewritten once it is committed.
 Every rank writes its shards, then its manifest ``<generation>/.reshard/ranks/<rank>.json``.
 Any one process then calls :func:`commit`: it takes the generation's lock with a
 create-if-absent write, reads every expected rank's manifest by key and checks that they
-agree (:mod:`reshard.store.manifests`), writes every array's and group's ``zarr.json`` and the generation's root
+agree (:mod:`reshard.store.format.manifests`), writes every array's and group's ``zarr.json`` and the generation's root
 ``zarr.json`` (consolidated metadata) and, last, the marker ``url/.reshard/commit.json``,
 which names the generation readers use and the sha256 of its metadata. A new save of
 the same URL is a new generation: until it commits, readers see the old one whole.
@@ -34,8 +36,9 @@ from reshard.layouts.errors import (
     FormatError,
 )
 
-from .format.consolidated import root_document, summary_seal
-from .format.meta import (
+from ..format.consolidated import root_document, summary_seal
+from ..format.manifests import merge_manifests, merge_packed, read_manifests
+from ..format.meta import (
     COMMIT_KEY,
     FORMAT_VERSION,
     LOCK_KEY,
@@ -43,18 +46,17 @@ from .format.meta import (
     escape_component,
     group_json,
 )
-from .format.refs import FORMS, REFS_KEY, objects_of
-from .format.refs import build as build_references
-from .format.schema import (
+from ..format.refs import FORMS, REFS_KEY, objects_of
+from ..format.refs import build as build_references
+from ..format.schema import (
     check_component,
     loads_json,
     marker_fields,
     with_digest,
 )
-from .io import pool
-from .io.gcpause import gc_paused
-from .io.storage import Storage
-from .manifests import merge_manifests, merge_packed, read_manifests
+from ..io import pool
+from ..io.gcpause import gc_paused
+from ..io.storage import Storage
 
 #: The save_id of a save that names none.
 DEFAULT_SAVE_ID = "0"

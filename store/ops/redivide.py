@@ -17,18 +17,18 @@ from typing import Any
 import numpy as np
 from reshard.layouts import Layout
 
-from . import graph
-from .format.encode import encode_shard
-from .format.meta import ArrayMeta
-from .format.refs import DEFAULT_OBJECT_BYTES, PACKED_DIR, check_form
-from .io import packed, pool
-from .io.gcpause import gc_paused
-from .io.stats import IOStats
-from .io.storage import Storage
-from .opening import open
-from .reader import Checkpoint
-from .tree import LayoutSpec, flatten, resolve_layout
-from .writer import CheckpointWriter, create, single_process
+from ..format.encode import encode_shard
+from ..format.meta import ArrayMeta
+from ..format.refs import DEFAULT_OBJECT_BYTES, PACKED_DIR, check_form
+from ..format.tree import LayoutSpec, flatten, resolve_layout
+from ..io import packed, pool
+from ..io.gcpause import gc_paused
+from ..io.stats import IOStats
+from ..io.storage import Storage
+from ..read import graph
+from ..read.checkpoint import Checkpoint
+from ..read.open import open
+from ..write.writer import CheckpointWriter, create, single_process
 
 
 def _all_ranks(layouts: Mapping[str, Layout]) -> list[int]:
@@ -140,7 +140,7 @@ def redivide(src: str | Checkpoint, dst: str, layouts: LayoutSpec, *, scheduler:
     budget : int
         In-flight byte budget per process.
     fusion, fuse_bytes, gap, progress
-        As for :func:`reshard.store.graph.load_many`.
+        As for :func:`reshard.store.read.graph.load_many`.
     **options
         As for :func:`reshard.store.create` (shards are always written by
         reshard's own encoder).

@@ -3,7 +3,7 @@
 Every tensor is cut into slabs, regions that are contiguous runs of its
 C-order bytes, of at most ``min(fuse_bytes, budget)`` bytes (aligned to the
 stored inner chunks where they can be), and small tensors are fused into
-tasks (see :mod:`reshard.store.graph`). Peak memory is the in-flight byte
+tasks (see :mod:`reshard.store.read.graph`). Peak memory is the in-flight byte
 ``budget``, not the model.
 
 * safetensors to a local path: the header is written first, then tasks read
@@ -38,12 +38,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from reshard.layouts.errors import BadNameError
 
+from ..format.meta import ArrayMeta
+from ..io.stats import IOStats
 from . import graph
-from .format.meta import ArrayMeta
-from .io.stats import IOStats
 
 if TYPE_CHECKING:
-    from .reader import Checkpoint
+    from .checkpoint import Checkpoint
 
 Region = tuple[slice, ...]
 
@@ -158,7 +158,7 @@ def export(ckpt: Checkpoint, path: str, format: str = "safetensors", names: Iter
         about this, whatever the model's size.
     fusion, fuse_bytes, gap
         I/O fusion cap, bytes per fused task, coalescing gap: see
-        :func:`reshard.store.graph.load_many`.
+        :func:`reshard.store.read.graph.load_many`.
     metadata : dict of str to str, optional
         safetensors ``__metadata__`` entries, added to ``{"format": "pt"}`` and
         the checkpoint's non-tensor leaves as JSON under ``"reshard.leaves"``.

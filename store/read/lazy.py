@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from reshard.layouts import Layout
 
-from .format.meta import ArrayMeta
+from ..format.meta import ArrayMeta
 
 if TYPE_CHECKING:
-    from .reader import Checkpoint
+    from .checkpoint import Checkpoint
 
 Region = tuple[slice, ...]
 #: The coordinates a view selects along one output axis.

@@ -19,12 +19,12 @@ from typing import Any
 from reshard.layouts import Layout
 from reshard.layouts.errors import RankError
 
-from .format.dtypes import numpy_dtype
-from .format.encode import shard_encoding
-from .format.grid import choose_grid
-from .format.meta import MIN_CHUNK_BYTES, ArrayMeta, inner_chunk_shape
-from .format.shard import SMALL_SHARD_BYTES
-from .manifests import record_text, tensor_record
+from ..format.dtypes import numpy_dtype
+from ..format.encode import shard_encoding
+from ..format.grid import choose_grid
+from ..format.manifests import record_text, tensor_record
+from ..format.meta import MIN_CHUNK_BYTES, ArrayMeta, inner_chunk_shape
+from ..format.shard import SMALL_SHARD_BYTES
 
 #: Plans kept per process (the cache starts over beyond this: a job changing its tensors all the time).
 MAX_PLANS = 1 << 14

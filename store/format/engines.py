@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from reshard.layouts.errors import FormatError
 
-from .format.meta import ArrayMeta
+from .meta import ArrayMeta
 
 if TYPE_CHECKING:
-    from .fetch import Fetcher
-    from .io.storage import Storage
+    from ..io.storage import Storage
+    from ..read.fetch import Fetcher
 
 Region = tuple[slice, ...]
 

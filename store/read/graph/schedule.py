@@ -1,7 +1,7 @@
 """How graph tasks run: fusion, the in-flight byte budget, schedulers, progress bars.
 
-The machinery that :func:`reshard.store.graph.load_many`,
-:func:`reshard.store.redivide` and :func:`reshard.store.export.export` share
+The machinery that :func:`reshard.store.read.graph.load_many`,
+:func:`reshard.store.redivide` and :func:`reshard.store.read.export.export` share
 (see ``docs/dask.md``): :func:`fusion_cap` and :func:`fuse` group small
 operations into tasks, :class:`Budget` bounds the bytes tasks hold at once in
 one process, :func:`run` computes a graph on threads, inline or on a

@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .format.meta import LOCK_KEY, META_DIR
-from .format.refs import PACKED_DIR, REFS_KEY
-from .io.storage import Storage
+from ..format.meta import LOCK_KEY, META_DIR
+from ..format.refs import PACKED_DIR, REFS_KEY
+from ..io.storage import Storage
 from .protocol import GENERATION_PREFIX, Marker, generation_storage, loads_json, read_marker
 
 #: Uncommitted saves younger than this (seconds since their last manifest or lock) may still be written.

@@ -1,9 +1,9 @@
 """Dask graphs over a checkpoint: lazy dask arrays, loading many ranks at once.
 
 Also the task records and bodies that :func:`reshard.store.redivide` and
-:func:`reshard.store.export.export` share (sources, reads, counters). How
+:func:`reshard.store.read.export.export` share (sources, reads, counters). How
 tasks are grouped and run (I/O fusion, the in-flight byte budget, pluggable
-schedulers, the progress bar) lives in :mod:`reshard.store.graph.schedule`; its
+schedulers, the progress bar) lives in :mod:`reshard.store.read.graph.schedule`; its
 names are importable from here too. See ``docs/dask.md``.
 
 Tasks carry only plain, picklable records (:class:`Source`: the URL, the
@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ...commit.locate import Locator, locator_for
+from ...format.meta import ArrayMeta
+from ...format.tree import LayoutSpec, unflatten
+from ...io.stats import IOStats
+from ...io.storage import Storage
 from ..fetch import Fetcher
-from ..format.meta import ArrayMeta
-from ..io.stats import IOStats
-from ..io.storage import Storage
-from ..locate import Locator, locator_for
-from ..tree import LayoutSpec, unflatten
 from .schedule import (
     DEFAULT_FUSE_BYTES,
     fuse,
@@ -46,7 +46,7 @@ from .schedule import (
 )
 
 if TYPE_CHECKING:
-    from ..reader import Checkpoint, LazyTensor
+    from ..checkpoint import Checkpoint, LazyTensor
 
 __all__ = [
     # tasks, reads, dask arrays, load_many
@@ -78,7 +78,7 @@ class Source:
     small_shard_bytes: int | None = None
     #: Packed form: the checkpoint root (shard locations are relative to it); None for the directory form.
     root: str | None = None
-    #: Packed form: how shards are located (:func:`reshard.store.locate.locator_for`), and the save's id.
+    #: Packed form: how shards are located (:func:`reshard.store.commit.locate.locator_for`), and the save's id.
     locations: str | None = None
     save_id: str | None = None
     generation: str = ""

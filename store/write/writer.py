@@ -34,19 +34,19 @@ from reshard.layouts.errors import (
     ShapeMismatchError,
 )
 
-from .format.dtypes import dtype_name
-from .format.encode import encode_shard
-from .format.meta import DEFAULT_CHUNK_BYTES, ArrayMeta, tensor_path
-from .format.refs import DEFAULT_OBJECT_BYTES, PACKED_DIR, check_form, trailer
-from .format.schema import check_names, with_digest
+from ..commit.protocol import Marker, commit, generation_of, read_marker, save_id_of
+from ..format.dtypes import dtype_name
+from ..format.encode import encode_shard
+from ..format.manifests import has_written, manifest_key, rank_manifest, records_json
+from ..format.meta import DEFAULT_CHUNK_BYTES, ArrayMeta, tensor_path
+from ..format.refs import DEFAULT_OBJECT_BYTES, PACKED_DIR, check_form, trailer
+from ..format.schema import check_names, with_digest
+from ..format.tree import LayoutSpec, flatten, resolve_layout
+from ..io import packed, pool
+from ..io.gcpause import gc_paused
+from ..io.storage import Storage
 from .incremental import Base, Reusable, digest
-from .io import packed, pool
-from .io.gcpause import gc_paused
-from .io.storage import Storage
-from .manifests import has_written, manifest_key, rank_manifest, records_json
-from .protocol import Marker, commit, generation_of, read_marker, save_id_of
-from .tree import LayoutSpec, flatten, resolve_layout
-from .writeplan import Settings, TensorPlan, block_shards, tensor_plan
+from .plan import Settings, TensorPlan, block_shards, tensor_plan
 
 #: Block writers (importers, redivide), packed form: bytes held before they go out as one data object.
 BUFFER_BYTES = 256 << 20
@@ -163,7 +163,7 @@ class CheckpointWriter:
         return tensor_plan(name, layout, dtype, self._settings[single_writer])
 
     def meta(self, name: str, layout: Layout, dtype: str, single_writer: bool = False) -> ArrayMeta:
-        """The array record a tensor will be stored with (:func:`reshard.store.writeplan.array_meta`).
+        """The array record a tensor will be stored with (:func:`reshard.store.write.plan.array_meta`).
 
         ``single_writer``: one process writes every shard of the tensor (see
         :func:`reshard.store.format.grid.choose_grid`). The shard grid is
@@ -298,7 +298,7 @@ class CheckpointWriter:
 
     def _shard_jobs(self, meta: ArrayMeta, region: tuple[slice, ...], local: np.ndarray) -> list[Any]:
         if self.engine == "tensorstore" and meta.shape:
-            from .engines import write_with_tensorstore
+            from ..format.engines import write_with_tensorstore
 
             return [lambda: write_with_tensorstore(self.storage, meta, region, local)]
         return [functools.partial(_write_shard, self.storage, m, idx, data)
@@ -330,7 +330,7 @@ class CheckpointWriter:
         return list(self.layouts) if isinstance(self.layouts, Mapping) else list(self.shapes)
 
     def commit(self, ranks: list[int] | None = None, **options: Any) -> Marker:
-        """Make the checkpoint visible; see :func:`reshard.store.protocol.commit` (``force``, ``lock_lease``).
+        """Make the checkpoint visible; see :func:`reshard.store.commit.protocol.commit` (``force``, ``lock_lease``).
 
         ``ranks``: every rank that wrote (default: the ranks of the layouts this
         writer knows). Pass them when ranks saved different tensors, or a rank
@@ -426,7 +426,7 @@ def create(url: str, layouts: LayoutSpec, **options: Any) -> CheckpointWriter:
         committed packed save, this checkpoint itself or one beside it (a
         manager's previous step); a shard whose values and encoding (their XXH3-128 hash)
         equal what the base's same rank wrote under the same key is referenced, not encoded or written
-        (:mod:`reshard.store.incremental`).
+        (:mod:`reshard.store.write.incremental`).
         ``durable`` (default True): local files are fsynced, and every object a
         manifest or the commit marker announces is on disk before they are
         (power-loss safe; no effect on object stores, whose PUTs are durable).

@@ -1,6 +1,6 @@
 """Reading a checkpoint: a lazy :class:`Checkpoint`, lazy tensors, explicit reads.
 
-:func:`reshard.store.opening.open` reads the commit marker and the root ``zarr.json``
+:func:`reshard.store.read.open.open` reads the commit marker and the root ``zarr.json``
 (which carries the consolidated metadata of every array): two small reads, no data,
 and makes the :class:`Checkpoint`. Indexing a
 tensor builds a lazy view; ``.read()``, ``np.asarray`` or ``load`` do the I/O,
@@ -22,14 +22,14 @@ from reshard.layouts.errors import (
     TensorNotFoundError,
 )
 
+from ..commit.locate import Locator
+from ..format.meta import COMMIT_KEY, ArrayMeta
+from ..format.tree import LayoutSpec, flatten, resolve_layout, suggest, unflatten
+from ..io.gcpause import gc_paused
+from ..io.stats import IOStats
+from ..io.storage import Storage
 from .fetch import Fetcher
-from .format.meta import COMMIT_KEY, ArrayMeta
-from .io.gcpause import gc_paused
-from .io.stats import IOStats
-from .io.storage import Storage
 from .lazy import LazyTensor, Region
-from .locate import Locator
-from .tree import LayoutSpec, flatten, resolve_layout, suggest, unflatten
 
 if TYPE_CHECKING:
     from .graph import LoadResult
@@ -185,7 +185,7 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
         return self.fetcher.gap
 
     def read_regions(self, jobs: list[tuple[ArrayMeta, Region, np.ndarray]]) -> IOStats:
-        """Fill destinations from stored regions; see :meth:`reshard.store.fetch.Fetcher.read_regions`.
+        """Fill destinations from stored regions; see :meth:`reshard.store.read.fetch.Fetcher.read_regions`.
 
         Raises
         ------
@@ -273,7 +273,7 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
         if as_ == "numpy" and (device is not None or pin_memory):
             raise ValueError("device and pin_memory need as_='torch'")
         if as_ == "torch":
-            from .frontends.torch_load import load_torch
+            from .torch_load import load_torch
 
             wanted = [(n, m, lay.local_shape(rank), lay.region(rank)) for n, m in self._select(layouts, names)
                       if rank in (lay := self._target(layouts, m)).ranks]
@@ -299,7 +299,7 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
         return unflatten(result)
 
     def load_many(self, layouts: LayoutSpec, ranks: Iterable[int], **options: Any) -> LoadResult:
-        """Load many target ranks at once as one dask graph; see :func:`reshard.store.graph.load_many`.
+        """Load many target ranks at once as one dask graph; see :func:`reshard.store.read.graph.load_many`.
 
         Options: ``names``, ``scheduler`` (threads, ``"sync"`` or a
         ``dask.distributed.Client``), ``fusion``, ``fuse_bytes``, ``gap``, ``progress``.
@@ -327,7 +327,7 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
         return layout
 
     def export(self, path: str, format: str = "safetensors", **options: Any) -> IOStats:
-        """Stream every tensor into one file; see :func:`reshard.store.export.export`."""
+        """Stream every tensor into one file; see :func:`reshard.store.read.export.export`."""
         from .export import export
 
         return export(self, path, format=format, **options)

@@ -78,7 +78,7 @@ def _flags(func: Any) -> Any:
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
-    from ..cli.commands import storage_options
+    from .commands import storage_options
 
     return {"storage_options": storage_options(args.storage_option), "overwrite": args.overwrite}
 
@@ -92,14 +92,14 @@ def _report(what: str, args: argparse.Namespace, t0: float, result: Any) -> int:
 
 
 def _dcp(args: argparse.Namespace) -> int:
-    from .torch import import_dcp
+    from ..frontends.torch import import_dcp
 
     t0 = time.perf_counter()
     return _report("DCP checkpoint", args, t0, import_dcp(args.src, args.dst, **_options(args)))
 
 
 def _orbax(args: argparse.Namespace) -> int:
-    from .jax import import_orbax
+    from ..frontends.jax import import_orbax
 
     t0 = time.perf_counter()
     return _report("Orbax checkpoint", args, t0, import_orbax(args.src, args.dst, step=args.step, **_options(args)))
@@ -108,7 +108,7 @@ def _orbax(args: argparse.Namespace) -> int:
 def _mindspore(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .mindspore import import_mindspore
+    from ..frontends.mindspore import import_mindspore
 
     t0 = time.perf_counter()
     ckpt = import_mindspore(args.src, args.dst, Path(args.strategy).read_bytes(), **_options(args))
@@ -116,7 +116,7 @@ def _mindspore(args: argparse.Namespace) -> int:
 
 
 def _safetensors(args: argparse.Namespace) -> int:
-    from .safetensors import import_safetensors
+    from ..frontends.safetensors import import_safetensors
 
     t0 = time.perf_counter()
     options = _options(args)  # -S applies to SRC and DST alike
@@ -132,9 +132,9 @@ def _sbp_arg(text: str) -> Any:
 def _oneflow(args: argparse.Namespace) -> int:
     from fnmatch import fnmatchcase
 
-    from ..writer import single_process
-    from .oneflow import global_shapes, load_npz, placement_ranks, save_oneflow, tensor_paths
-    from .sources import refuse_empty
+    from ..frontends.oneflow import global_shapes, load_npz, placement_ranks, save_oneflow, tensor_paths
+    from ..frontends.sources import refuse_empty
+    from ..write.writer import single_process
 
     ranks = json.loads(args.placement)
     flat = placement_ranks(ranks)

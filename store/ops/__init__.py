@@ -1,0 +1,1 @@
+"""Operations over whole checkpoints: save, redivide, convert, verify."""
