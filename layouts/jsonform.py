@@ -147,7 +147,8 @@ def describe(layout: Layout) -> str:
     """Short human form of `layout`.
 
     MindSpore origin: ``dev[2,4] tmap[-1,0]`` plus `` opt2`` when optimizer
-    sharding took effect. Otherwise ``mesh[2,4] dims[0,-] even`` where each
+    sharding took effect and `` stage1`` for a pipeline stage other than 0
+    (its ranks are ``stage * prod(dev) + local``). Otherwise ``mesh[2,4] dims[0,-] even`` where each
     dim lists its mesh axes (``0.1`` = axes 0 then 1, ``-`` = not split),
     followed by ``nested`` and ``optN`` when they apply; explicit layouts are
     ``blocks[N] explicit``.
@@ -155,7 +156,8 @@ def describe(layout: Layout) -> str:
     opt = f" opt{layout.opt_group_size}" if layout.opt_sharded else ""
     origin = layout.origin or {}
     if origin.get("framework") == "mindspore" and "dev_matrix" in origin and "tensor_map" in origin:
-        return f"dev{_nums(origin['dev_matrix'])} tmap{_nums(origin['tensor_map'])}{opt}"
+        stage = f" stage{origin['stage']}" if origin.get("stage") else ""
+        return f"dev{_nums(origin['dev_matrix'])} tmap{_nums(origin['tensor_map'])}{opt}{stage}"
     if layout.explicit is not None:
         return f"blocks[{len(layout.explicit)}] explicit"
     dims = ",".join(".".join(map(str, a)) if a else "-" for a in layout.dims)

@@ -17,6 +17,7 @@ Three forms are read (no file I/O; pass the file's bytes):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -28,9 +29,14 @@ from .core import Layout
 from .errors import FormatError, LayoutError, ShapeMismatchError
 
 #: Name prefixes of optimizer state that shares its parameter's strategy entry
-#: (MindSpore gives ``moments.X``, ``adam_m.X``, ``adam_v.X``... the layout of ``X``).
+#: (MindSpore gives ``moments.X``, ``adam_m.X``, ``adam_v.X``... the layout of ``X``,
+#: optimizer sharding included: its compiler's ``SetClonedTensorShapeForOptimizer``).
 OPTIMIZER_PREFIXES = ("moments.", "adam_m.", "adam_v.", "accum.", "mean_grad.", "mean_square.", "moment1.",
-                      "moment2.", "exp_avg.", "exp_avg_sq.")
+                      "moment2.", "exp_avg.", "exp_avg_sq.", "lamb_m.", "lamb_v.", "vhat.", "max_exp_avg_sq.")
+#: Gradient accumulation buffers (pipeline / ``GradAccumulationCell``): ``accu_grads.X``
+#: takes ``X``'s model-parallel layout but not its optimizer sharding (MindSpore's
+#: default, ``grad_accumulation_shard=False``).
+ACCU_GRADS_PREFIX = "accu_grads."
 
 _STAGED = re.compile(r"^(\d+)-(.+)$")
 
@@ -166,14 +172,24 @@ def layout_for(name: str, layouts: Mapping[str, Layout],
                prefixes: Sequence[str] = OPTIMIZER_PREFIXES) -> Layout | None:
     """The strategy layout of a tensor: its own entry, else its parameter's (``adam_m.X`` -> ``X``).
 
-    MindSpore lays an optimizer's state out like the parameter it belongs to,
-    optimizer sharding included; a strategy file names only the parameters.
+    MindSpore's compiler lays an optimizer's state (a clone of the parameter)
+    out like the parameter, optimizer sharding included; ``accu_grads.X`` gets
+    ``X``'s layout without the optimizer sharding. A strategy file saved with
+    ``only_trainable_params=True`` (the default) names only the parameters; one
+    saved with ``False`` names the clones too, and their own entries win.
     """
     if name in layouts:
         return layouts[name]
     for prefix in prefixes:
         if name.startswith(prefix) and name[len(prefix):] in layouts:
             return layouts[name[len(prefix):]]
+    param = name[len(ACCU_GRADS_PREFIX):]
+    if name.startswith(ACCU_GRADS_PREFIX) and param in layouts:
+        layout = layouts[param]
+        if layout.opt_shard is None:
+            return layout
+        origin = {**(layout.origin or {}), "opt_shard_size": 0}
+        return dataclasses.replace(layout, opt_shard=None, origin=origin)
     return None
 
 

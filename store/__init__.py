@@ -10,7 +10,8 @@ from reshard.layouts.errors import *  # noqa: F403  (one errors module for the p
 from reshard.layouts.errors import __all__ as _errors
 
 from .commit.gc import gc
-from .commit.protocol import commit, unlock
+from .commit.locks import unlock
+from .commit.protocol import commit
 from .format.dtypes import SUPPORTED as SUPPORTED_DTYPES
 from .format.dtypes import register_zarr_dtypes
 from .format.meta import FORMAT_VERSION

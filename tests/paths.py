@@ -9,8 +9,8 @@ import reshard.store as rs
 
 
 def zarr_root(url: str | Path) -> Path:
-    """The folder of the committed save's zarr hierarchy (``url/gen-<save_id>``)."""
-    return Path(rs.open(str(url)).zarr_url)
+    """The folder of the committed save (``url/gen-<save_id>``), in either storage form."""
+    return Path(rs.open(str(url)).storage.url)
 
 
 def shard_keys(url: str | Path) -> list[str]:

@@ -78,8 +78,8 @@ def test_inspect_tree_and_totals(ckpt_url, capsys):
     assert run("inspect", ckpt_url) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0] == f"{ckpt_url}  (committed, saved by 8 ranks)"
-    assert out.splitlines()[1] == ("packed form; zarr group through references (plain zarr, dask; docs/format.md): "
-                                   f"{zarr_root(ckpt_url)}/refs.json")
+    assert out.splitlines()[1] == ("packed form; zarr-python, xarray, dask: rs.open(url).zarr_store(), or fsspec "
+                                   f"reference:// over {zarr_root(ckpt_url)}/refs.json (docs/format.md)")
     assert "\n  embed.weight " in out and "\n    0\n" in out
     line = next(x for x in out.splitlines() if x.strip().startswith("embed.weight"))
     assert "bfloat16" in line and "[256, 64]" in line and "dev[2,4] tmap[0,-1]" in line and line.endswith(" 4")
@@ -95,7 +95,9 @@ def test_inspect_json_pattern(ckpt_url, capsys):
     assert t["layout"] == "dev[2,4] tmap[-1] opt8" and t["shards"] == 8 and t["nbytes"] == 64 * 4
     assert Layout.from_json(t["layout_json"]).opt_group_size == 8
     assert data["committed"] is True and data["leaves"] == {"step": 100}
-    assert data["zarr_url"] == str(zarr_root(ckpt_url)) and data["zarr_url"].endswith(f"/gen-{data['save_id']}")
+    assert data["form"] == "packed" and data["zarr_url"] is None  # no folder of a packed save is a zarr hierarchy
+    assert data["references_url"] == f"{zarr_root(ckpt_url)}/refs.json"
+    assert data["references_url"].endswith(f"/gen-{data['save_id']}/refs.json")
     assert data["totals"] == {"tensors": 2, "nbytes": 512, "shards": 16, "ranks": 8}
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import reshard.store as rs
 from reshard.layouts import Layout
-from reshard.store.commit import protocol
+from reshard.store.commit import locks, marker
 from reshard.store.commit.gc import gc
 
 L = {"m": Layout.from_dtensor((4,), ["S(0)"], (8, 2))}
@@ -82,7 +82,10 @@ def test_a_rank_left_over_from_an_uncommitted_attempt_is_refused(tmp_path):
         again.write(2, _pieces(2.0)[2])
     gone = gc(url, min_age=0)
     assert gone.removed == ("gen-3",)
-    w = rs.create(url, L, save_id=3)
+    w = rs.create(url, L, save_id=3)  # a save_id gc collected is never used again at this URL
+    with pytest.raises(rs.CommitConflictError, match=r"save '3' was removed by `reshard gc`.*new save_id"):
+        w.write(0, _pieces(2.0)[0])
+    w = rs.create(url, L, save_id=4)
     for r, piece in _pieces(2.0).items():
         w.write(r, piece)
     w.commit()
@@ -112,7 +115,8 @@ def test_a_reader_of_a_replaced_checkpoint_raises_never_mixes(tmp_path):
 def test_edited_metadata_fails_its_first_use_by_digest(tmp_path):
     url = str(tmp_path / "ck")
     _save_old(url)
-    root = pathlib.Path(rs.open(url).zarr_url) / "zarr.json"
+    gen = pathlib.Path(rs.open(url).storage.url)
+    root = next(p for p in (gen / ".reshard" / "metadata.json", gen / "zarr.json") if p.exists())  # packed, directory
     doc = json.loads(root.read_text())
     doc["consolidated_metadata"]["metadata"]["m"]["data_type"] = "int32"
     root.write_text(json.dumps(doc))
@@ -145,10 +149,10 @@ def test_a_killed_committer_does_not_block_the_url(tmp_path):
     _written(url, 1)
     code = textwrap.dedent(f"""
         import sys, time
-        from reshard.store.commit import protocol
+        from reshard.store.commit import locks, marker
         from reshard.store.io.storage import Storage
         root = Storage({url!r})
-        protocol.take_lock(root, root.child(protocol.generation_of(1)), "1")
+        locks.take_lock(root, root.child(marker.generation_of(1)), "1")
         print("locked", flush=True)
         time.sleep(60)
     """)
@@ -167,7 +171,7 @@ def test_a_killed_committer_does_not_block_the_url(tmp_path):
 
 
 def _foreign_lock(url: str, save_id: object, age: float) -> None:
-    lock = pathlib.Path(url, protocol.generation_of(save_id), ".reshard", "commit.lock")
+    lock = pathlib.Path(url, marker.generation_of(save_id), ".reshard", "commit.lock")
     lock.parent.mkdir(parents=True, exist_ok=True)
     lock.write_text(json.dumps({"token": "t", "time": time.time() - age, "host": socket.gethostname() + "-other",
                                 "pid": 1, "lease": 600}))
@@ -179,7 +183,7 @@ def test_another_hosts_lock_is_broken_after_its_lease_or_by_unlock(tmp_path):
     _foreign_lock(url, 1, age=10)
     with pytest.raises(rs.CommitConflictError, match=r"reshard unlock .* --save-id 1"):
         rs.commit(url, save_id=1)
-    assert protocol.unlock(url, save_id=1)
+    assert locks.unlock(url, save_id=1)
     rs.commit(url, save_id=1)
 
     url2 = str(tmp_path / "ck2")
@@ -216,7 +220,7 @@ def test_gc_keeps_the_committed_and_young_saves(tmp_path):
     assert len([p for p in (tmp_path / "ck").iterdir() if p.name.startswith("gen-")]) == 3
     gc(url, min_age=0)
     assert [p.name for p in (tmp_path / "ck").iterdir() if p.name.startswith("gen-")] == [
-        rs.open(url).zarr_url.rsplit("/", 1)[-1]]
+        json.loads((tmp_path / "ck/.reshard/commit.json").read_text())["generation"]]
     np.testing.assert_array_equal(rs.open(url)["m"].read(), OLD + 1)
 
 
@@ -269,3 +273,123 @@ def test_cli_gc_and_unlock(tmp_path, capsys):
     assert main(["unlock", str(tmp_path / "locked"), "--save-id", "5"]) == 0
     assert "removed the commit lock of save '5'" in capsys.readouterr().out
     rs.commit(str(tmp_path / "locked"), save_id=5)
+
+
+# ------------------------------------------------------------ issue 23: gc against saves in progress
+FORMS = ["packed", "directory"]
+
+
+def _storage(where: str, tmp_path: pathlib.Path, request: pytest.FixtureRequest) -> tuple[str, dict]:
+    if where == "s3":
+        server = request.getfixturevalue("s3_server")
+        return f"s3://{server.make_bucket()}/ck", server.storage_options()
+    return str(tmp_path / "ck"), {}
+
+
+@pytest.mark.parametrize("where", ["file", "s3"])
+@pytest.mark.parametrize("form", FORMS)
+def test_gc_never_deletes_a_save_in_progress_and_a_save_it_touched_never_commits(tmp_path, request, form, where):
+    url, opts = _storage(where, tmp_path, request)
+    rs.save({"m": OLD}, url, L, form=form, storage_options=opts)
+    w = rs.create(url, L, overwrite=True, save_id="live", form=form, storage_options=opts)
+    for r in (0, 1):  # a save in progress: two ranks wrote, two are still writing (no manifest of theirs yet)
+        w.write(r, _pieces(1.0)[r])
+    assert gc(url, storage_options=opts).removed == ()  # its lease is young: it stays
+    for r in (2, 3):
+        w.write(r, _pieces(1.0)[r])
+    w.commit()
+    np.testing.assert_array_equal(rs.open(url, storage_options=opts)["m"].read(), np.full((8, 2), 1.0, np.float32))
+
+    w = rs.create(url, L, overwrite=True, save_id="slow", form=form, storage_options=opts)
+    w.write(0, _pieces(2.0)[0])
+    assert "gen-slow" in gc(url, min_age=0, storage_options=opts).removed  # told to take everything: it goes
+    with pytest.raises(rs.CommitConflictError, match=r"save 'slow' was removed by `reshard gc`"):
+        w.write(1, _pieces(2.0)[1])  # the next write of it is refused, and so is its commit
+    with pytest.raises(rs.CommitConflictError, match=r"save 'slow' was removed by `reshard gc`"):
+        rs.commit(url, save_id="slow", ranks=[0], storage_options=opts)
+    # every rank wrote, then gc marked it (its deletion raced the commit): the commit is refused all the same
+    w = rs.create(url, L, overwrite=True, save_id="raced", form=form, storage_options=opts)
+    for r, piece in _pieces(3.0).items():
+        w.write(r, piece)
+    from reshard.store.commit.gc import mark_collected
+    from reshard.store.io.storage import Storage
+
+    assert mark_collected(Storage(url, opts), "gen-raced")
+    with pytest.raises(rs.CommitConflictError, match=r"save 'raced' was removed by `reshard gc`"):
+        w.commit()
+    np.testing.assert_array_equal(rs.open(url, storage_options=opts)["m"].read(), np.full((8, 2), 1.0, np.float32))
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_gc_between_a_commits_lock_and_its_marker_lets_the_commit_win_or_refuses_it(tmp_path, form):
+    url = str(tmp_path / "ck")
+    w = rs.create(url, L, save_id="1", form=form)
+    for r, piece in _pieces(1.0).items():
+        w.write(r, piece)
+    from reshard.store.io.storage import Storage
+
+    gen = Storage(url).child("gen-1")
+    live = {"token": "t", "time": time.time(), "host": socket.gethostname(), "pid": os.getpid(), "lease": 600.0}
+    gen.write_new(".reshard/commit.lock", json.dumps(live).encode())  # a live committer holds the lock
+    assert gc(url, min_age=0).removed == ()  # gc backs off: the commit in progress is not touched
+    gen.delete(".reshard/commit.lock")
+    w.commit()
+    np.testing.assert_array_equal(rs.open(url)["m"].read(), np.full((8, 2), 1.0, np.float32))
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_snapshot_reader_never_reads_another_save_under_a_reused_save_id(tmp_path, form):
+    url = str(tmp_path / "ck")
+    w = rs.create(url, L, save_id="A", form=form)
+    for r, piece in _pieces(1.0).items():
+        w.write(r, piece)
+    w.commit()
+    snap = rs.open(url, check_current=False)
+    graph = snap.to_dask("m") if hasattr(snap, "to_dask") else None
+    w = rs.create(url, L, overwrite=True, save_id="B", form=form)
+    for r, piece in _pieces(2.0).items():
+        w.write(r, piece)
+    w.commit()
+    gc(url, min_age=0)  # A goes
+    again = rs.create(url, L, overwrite=True, save_id="A", form=form)
+    with pytest.raises(rs.CommitConflictError, match="save 'A' was removed by `reshard gc`"):
+        again.write(0, _pieces(3.0)[0])  # A's name is never used again here
+    with pytest.raises(rs.ReshardError):  # gone, said clearly: never save B's or a third save's data
+        snap["m"].read()
+    if graph is not None:
+        with pytest.raises(Exception) as caught:
+            graph.compute(scheduler="synchronous")
+        assert not isinstance(caught.value, AssertionError)
+
+
+def test_gc_never_follows_a_link_out_of_the_checkpoint(tmp_path):
+    url = str(tmp_path / "ck")
+    rs.save({"m": OLD}, url, L, form="packed", save_id="a")
+    w = rs.create(url, L, overwrite=True, save_id="b", base=url)  # references gen-a's data objects
+    for r in range(4):
+        w.write(r, {"m": OLD[2 * r: 2 * r + 2]})
+    w.commit()
+    victim = tmp_path / "thesis"
+    shutil.move(str(tmp_path / "ck/gen-a/packed"), str(victim))
+    for name in ("thesis.tex", "notes.md"):
+        (victim / name).write_text("years of work")
+    os.symlink(victim, tmp_path / "ck/gen-a/packed")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere/main.py").write_text("print()")
+    os.symlink(tmp_path / "elsewhere", tmp_path / "ck/gen-a/src")
+    rs.gc(url, min_age=0)
+    assert (victim / "thesis.tex").read_text() == "years of work" and (victim / "notes.md").exists()
+    assert (tmp_path / "elsewhere/main.py").exists()
+    assert not (tmp_path / "ck/gen-a/src").exists()  # the link itself goes, never what it points to
+
+
+def test_gc_of_a_missing_path_is_an_error(tmp_path, capsys):
+    from reshard.store.cli.app import main
+
+    with pytest.raises(rs.CheckpointNotFoundError, match="no checkpoint here"):
+        rs.gc(str(tmp_path / "typo"))
+    assert main(["gc", str(tmp_path / "typo")]) != 0
+    assert "no checkpoint here" in capsys.readouterr().err
+    done = subprocess.run([sys.executable, "-m", "reshard.store.cli", "gc", str(tmp_path / "typo")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "no checkpoint here" in done.stderr

@@ -199,3 +199,52 @@ def test_a_commit_refuses_references_to_objects_deleted_meanwhile(tmp_path):
         obj.unlink()
     with pytest.raises(CheckpointNotFoundError, match="gone"):
         writer.commit()
+
+
+# ------------------------------------------------------------ issue 23: gc and retention follow references
+def test_gc_of_a_retired_step_keeps_what_later_steps_reference(tmp_path):
+    url = str(tmp_path / "run")
+    with rs.CheckpointManager(url, L, max_to_keep=1, incremental=True, async_save=False) as mgr:
+        for step in (1, 2, 3):
+            for rank in range(RANKS):
+                mgr.save(step, rank, local(state(step), rank))
+            mgr.wait(committed=True, timeout=60)
+    assert (tmp_path / "run/step-1").exists()  # retired: step 3 references its frozen bytes
+    done = cli("gc", f"{url}/step-1", "--min-age", "0")
+    assert done.returncode == 0, done.stderr
+    check(f"{url}/step-3", state(3))
+    assert cli("verify", f"{url}/step-3").returncode == 0
+
+
+@pytest.mark.parametrize("where", ["file", "s3"])
+def test_gc_of_a_base_keeps_what_a_checkpoint_beside_it_references(tmp_path, where, request):
+    opts: dict = {}
+    root = str(tmp_path)
+    if where == "s3":
+        server = request.getfixturevalue("s3_server")
+        opts, root = server.storage_options(), f"s3://{server.make_bucket()}/run"
+    save(f"{root}/a", state(1), storage_options=opts)
+    save(f"{root}/b", state(2), base=f"{root}/a", storage_options=opts)
+    save(f"{root}/a", state(5, frozen_seed=3), overwrite=True, save_id="new", storage_options=opts)  # replaces a
+    done = rs.gc(f"{root}/a", min_age=0, storage_options=opts)
+    assert done.removed == ("gen-0",) and done.kept_referenced  # b's frozen shards live in a's replaced save
+    check(f"{root}/b", state(2), storage_options=opts)
+    check(f"{root}/a", state(5, frozen_seed=3), storage_options=opts)
+
+
+def test_back_to_back_async_incremental_saves_with_retention_all_commit(tmp_path):
+    url = str(tmp_path / "run")
+    with rs.CheckpointManager(url, L, max_to_keep=2, incremental=True) as mgr:  # async, no pause between steps
+        for step in range(1, 9):
+            for rank in range(RANKS):
+                mgr.save(step, rank, local(state(step), rank))
+        mgr.wait(committed=True, timeout=120)
+        assert mgr.steps() == [7, 8]
+    for step in (7, 8):
+        check(f"{url}/step-{step}", state(step))
+    with rs.CheckpointManager(url, L, max_to_keep=1, incremental=True) as mgr:  # a new job: nothing in flight
+        for rank in range(RANKS):
+            mgr.save(9, rank, local(state(9, frozen_seed=1), rank))
+        mgr.wait(committed=True, timeout=60)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["manager.json", "step-9"]
+    check(f"{url}/step-9", state(9, frozen_seed=1))

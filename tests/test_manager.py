@@ -63,9 +63,9 @@ def test_retention_plans_by_the_rules_alone(tmp_path):
     root = Storage(str(tmp_path))
     for s in (1, 2, 3):
         root.write(f"step-{s}/x", b"1")
-    touched = delete_steps(root, [records[1]], Index((records[2],)))
+    held = delete_steps(root, [records[1]], Index((records[2],)))
     # step 2 and the step it references (1) are reconsidered; step 3 has no marker, so it needs none of their objects
-    assert touched == [1, 2] and not (tmp_path / "step-1").exists() and not (tmp_path / "step-2").exists()
+    assert held == {} and not (tmp_path / "step-1").exists() and not (tmp_path / "step-2").exists()
     assert (tmp_path / "step-3").exists()
 
 
@@ -339,3 +339,52 @@ def test_staging_copies_large_states_in_pieces_on_the_pool(monkeypatch):
         np.testing.assert_array_equal(staged.arrays[name], arr)
     assert threads and all(t.startswith("reshard-io") for t in threads)
     staged.release()
+
+
+# ------------------------------------------------------------ issue 23: the lifecycle around saves
+def test_keep_best_never_takes_a_nan_metric_for_best(tmp_path):
+    records = [StepRecord(s, 0.0, metrics={"loss": v}) for s, v in
+               [(1, float("nan")), (2, 5.0), (3, 0.1), (4, 3.0), (5, 4.0)]]
+    assert plan(Index(tuple(records)), Retention(max_to_keep=1, keep_best=1, best_metric="loss")) == ([3, 5],
+                                                                                                     [1, 2, 4])
+    assert Retention(max_to_keep=1, keep_best=1, best_metric="loss", best_mode="max").chosen(records) == {2, 5}
+    with rs.CheckpointManager(str(tmp_path / "run"), L, max_to_keep=1, keep_best=1, best_metric="loss") as mgr:
+        for step, loss in [(1, float("nan")), (2, 5.0), (3, 0.1), (4, 3.0), (5, 4.0)]:
+            save_all(mgr, step, metrics={"loss": loss})
+            mgr.wait(committed=True, timeout=30)
+        assert mgr.steps() == [3, 5]  # the best step (loss 0.1) stays; the diverged one goes
+        np.testing.assert_array_equal(mgr.open(step=3)["w"].read(), full(3))
+
+
+def test_a_second_job_on_one_root_is_refused_and_the_first_keeps_its_steps(tmp_path):
+    url = str(tmp_path / "run")
+    first = rs.CheckpointManager(url, L, max_to_keep=3)
+    save_all(first, 1)
+    first.wait(committed=True, timeout=30)
+    with pytest.raises(rs.CommitConflictError, match=rf"another job saves to this root .*pid {os.getpid()}"):
+        rs.CheckpointManager(url, L, max_to_keep=3)  # same step numbers would mix two jobs' shards
+    assert rs.CheckpointManager(url).steps() == [1]  # a reader needs no lock
+    save_all(first, 2)
+    first.wait(committed=True, timeout=30)
+    assert first.steps() == [1, 2]
+    np.testing.assert_array_equal(first.open(step=2)["w"].read(), full(2))
+    first.close()
+    with rs.CheckpointManager(url, L, max_to_keep=3) as second:  # once the first job closed, a new one may save
+        save_all(second, 3)
+        second.wait(committed=True, timeout=30)
+        assert second.steps() == [1, 2, 3]
+    assert not (tmp_path / "run" / "manager.lock").exists()
+
+
+def test_a_dead_jobs_root_lock_is_broken(tmp_path):
+    url = str(tmp_path / "run")
+    (tmp_path / "run").mkdir()
+    dead = {"token": "x", "time": 0.0, "host": os.uname().nodename, "pid": 2**22 + 12345, "lease": 600.0}
+    import socket
+
+    dead["host"] = socket.gethostname()
+    (tmp_path / "run" / "manager.lock").write_text(json.dumps(dead))
+    with rs.CheckpointManager(url, L) as mgr:  # its holder is a dead process of this host
+        save_all(mgr, 1)
+        mgr.wait(committed=True, timeout=30)
+        assert mgr.steps() == [1]

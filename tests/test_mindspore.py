@@ -386,7 +386,7 @@ def test_integrated_save_and_clear_errors(tmp_path: Path) -> None:
     (tmp_path / "bad" / "rank_1" / "y.ckpt").unlink()
     (tmp_path / "bad" / "rank_1" / "x.ckpt").unlink()
     ms.write_ckpt(tmp_path / "bad" / "rank_0" / "x.ckpt", {"w": w[:, :2]})
-    with pytest.raises(rs.FormatError, match=r"'w': ranks \[1\] hold its blocks as replica 0"):
+    with pytest.raises(rs.FormatError, match=r"'w': no file of the replicas \[1\] holds its block"):
         ms.import_mindspore(tmp_path / "bad", str(tmp_path / "c"), strategy)
     with pytest.raises(FileNotFoundError, match="rank_N"):
         ms.import_mindspore(tmp_path / "a", str(tmp_path / "d"), strategy)
@@ -494,3 +494,127 @@ def test_strategy_layouts_is_pure_and_checks_shapes() -> None:
     assert got == {"w": w, "moments.w": w, "exp_avg_sq.w": w}
     with pytest.raises(ShapeMismatchError, match=r"adam_m\.w"):
         strategy_layouts({"w": w}, {"adam_m.w": (2, 4)})
+
+
+# ----------------------------------------------------------- files MindSpore wrote (issue 24)
+DATA = Path(__file__).parent / "data" / "mindspore"  # written by make_samples.py with MindSpore (expected.json)
+
+
+def _expected() -> dict[str, np.ndarray]:
+    doc = json.loads((DATA / "expected.json").read_text())
+    return {k: np.asarray(v, np.float32) for k, v in doc.items() if k not in ("mindspore", "dedup_keeps")}
+
+
+def test_remove_redundancy_takes_each_block_from_the_replica_that_saved_it(tmp_path: Path) -> None:
+    """Item 10: MindSpore's remove_param_redundancy put some blocks in a replica-1 file only."""
+    keeps = json.loads((DATA / "expected.json").read_text())["dedup_keeps"]
+    assert "w3" in keeps["1"] and "w3" not in keeps["0"]  # w3 is replicated on 4 ranks; rank 1 saved it
+    assert "w3" not in ms.ckpt_headers(DATA / "dedup" / "rank_0" / "net.ckpt")
+    ckpt = ms.import_mindspore(DATA / "dedup", str(tmp_path / "ck"), DATA / "strategy.ckpt")
+    for name, value in _expected().items():
+        np.testing.assert_array_equal(ckpt[name].read(), value, err_msg=name)
+    assert ckpt["w4"].layout == Layout.from_mindspore([2, 2], [1, -1], [4, 2])
+    # the same state saved with redundancy imports identically
+    full = ms.import_mindspore(DATA / "redundant", str(tmp_path / "full"), DATA / "strategy.ckpt")
+    assert sorted(full.arrays) == sorted(ckpt.arrays)
+    # a block no replica saved is named
+    for rank in range(4):  # rank 1 alone saved w4's first block (rank 3 its second)
+        values = dict(ms.read_ckpt(DATA / "dedup" / f"rank_{rank}" / "net.ckpt"))
+        if rank == 1:
+            values.pop("w4")
+        ms.write_ckpt(tmp_path / "lost" / f"rank_{rank}" / "net.ckpt", values)
+    with pytest.raises(rs.FormatError, match=r"'w4': no file of the replicas \[0, 1\] holds its block \[\(0, 2\)"):
+        ms.import_mindspore(tmp_path / "lost", str(tmp_path / "no"), DATA / "strategy.ckpt")
+
+
+def test_per_rank_safetensors_import_and_export(tmp_path: Path) -> None:
+    """Item 11: save_checkpoint(format="safetensors") rank files import like .ckpt ones and are written back."""
+    from reshard.store.cli import main
+
+    ckpt = ms.import_mindspore(DATA / "safetensors", str(tmp_path / "ck"), DATA / "strategy.ckpt")
+    for name, value in _expected().items():
+        np.testing.assert_array_equal(ckpt[name].read(), value, err_msg=name)
+    files = ms.export_mindspore(ckpt, tmp_path / "st", DATA / "strategy.ckpt", format="safetensors")
+    assert files[3].name == "checkpoint_3.safetensors"
+    for rank in range(4):  # byte for byte the values MindSpore saved for that rank
+        ours = ms.read_file(files[rank])
+        theirs = ms.read_file(DATA / "safetensors" / f"rank_{rank}" / "net.safetensors")
+        assert sorted(ours) == sorted(theirs)
+        for name in theirs:
+            np.testing.assert_array_equal(ours[name], theirs[name], err_msg=f"rank {rank} {name}")
+    from reshard.store.frontends.safetensors import read_header
+
+    assert read_header(files[0]).metadata["format"] == "ms"
+    assert main(["export", "mindspore", str(tmp_path / "ck"), str(tmp_path / "cli"), "--strategy",
+                 str(DATA / "strategy.ckpt"), "--ms-format", "safetensors"]) == 0
+    assert (tmp_path / "cli" / "rank_2" / "checkpoint_2.safetensors").is_file()
+    again = ms.import_mindspore(tmp_path / "cli", str(tmp_path / "again"), DATA / "strategy.ckpt")
+    np.testing.assert_array_equal(again["adam_m.w1"].read(), _expected()["adam_m.w1"])
+
+
+def test_exported_safetensors_load_in_mindspore(tmp_path: Path) -> None:
+    mindspore = pytest.importorskip("mindspore", reason="MindSpore is not installed (optional; CI has none)")
+    ckpt = ms.import_mindspore(DATA / "safetensors", str(tmp_path / "ck"), DATA / "strategy.ckpt")
+    files = ms.export_mindspore(ckpt, tmp_path / "st", DATA / "strategy.ckpt", format="safetensors")
+    loaded = mindspore.load_checkpoint(str(files[3]), format="safetensors")
+    np.testing.assert_array_equal(loaded["w4"].asnumpy(), _expected()["w4"][2:])
+
+
+def test_single_device_modelcheckpoint_folder_from_the_cli(tmp_path: Path) -> None:
+    """Item 12: no strategy; the latest of several ModelCheckpoint files, --file, or a bare file."""
+    from reshard.store.cli import main
+
+    files = {p.name: ms.read_ckpt(p) for p in sorted((DATA / "single").glob("*.ckpt"))}
+    assert sorted(files) == ["lenet-1_2.ckpt", "lenet-2_2.ckpt", "lenet-3_2.ckpt"]
+    assert not np.array_equal(files["lenet-1_2.ckpt"]["fc1.weight"], files["lenet-3_2.ckpt"]["fc1.weight"])
+    assert main(["import", "mindspore", str(DATA / "single"), str(tmp_path / "latest")]) == 0
+    assert main(["import", "mindspore", str(DATA / "single"), str(tmp_path / "first"), "--file", "lenet-1_2.ckpt"]) == 0
+    assert main(["import", "mindspore", str(DATA / "single" / "lenet-2_2.ckpt"), str(tmp_path / "bare")]) == 0
+    for dst, name in (("latest", "lenet-3_2.ckpt"), ("first", "lenet-1_2.ckpt"), ("bare", "lenet-2_2.ckpt")):
+        got = rs.open(str(tmp_path / dst))
+        assert sorted(got.arrays) == sorted(files[name])
+        for tag, value in files[name].items():
+            np.testing.assert_array_equal(got[tag].read(), value, err_msg=f"{dst}: {tag}")
+    with pytest.raises(FileNotFoundError, match="no rank_N"):
+        ms.rank_files(tmp_path / "latest")
+
+
+def test_inspect_names_the_pipeline_stage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Item 13: stage 1's tensors show their stage (their ranks are 2 and 3), stage 0's none."""
+    from reshard.store.cli import main
+
+    b = np.ones((6, 2), np.float32)
+    layouts = {"enc.w": Layout.from_mindspore([2], [-1, -1], [6, 2], stage=0),
+               "dec.w": Layout.from_mindspore([2], [-1, -1], [6, 2], stage=1)}
+    for rank in range(4):
+        ms.write_ckpt(tmp_path / "src" / f"rank_{rank}" / "a.ckpt", {("enc.w" if rank < 2 else "dec.w"): b})
+    ms.import_mindspore(tmp_path / "src", str(tmp_path / "ck"), dump_strategy(layouts))
+    assert main(["inspect", str(tmp_path / "ck")]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.strip()}
+    assert "dev[2] tmap[-1,-1] stage1" in lines["dec.w"]
+    assert "stage" not in lines["enc.w"]
+
+
+def test_accu_grads_take_the_model_parallel_layout_without_optimizer_sharding(tmp_path: Path) -> None:
+    """Item 14 (MindSpore's SetClonedTensorShapeForOptimizer): adam_m.w is sliced like w, optimizer
+    sharding included; accu_grads.w like w but not optimizer-sharded. dev [2, 2], w [8, 4] tmap [-1, 0]
+    (columns by r % 2), optimizer-sharded over its 2 replicas (rows by r // 2)."""
+    rng = np.random.default_rng(14)
+    full = {n: rng.standard_normal((8, 4)).astype(np.float32) for n in ("w", "adam_m.w", "accu_grads.w")}
+    strategy = pb_strategy({"w": ([2, 2], [-1, 0], 2)})
+    w = ms.load_strategy(strategy, {"w": (8, 4)})["w"]
+    assert w.opt_sharded
+    for rank in range(4):
+        cols = slice(rank % 2 * 2, rank % 2 * 2 + 2)
+        rows = slice(rank // 2 * 4, rank // 2 * 4 + 4)
+        pb_write(tmp_path / "src" / f"rank_{rank}" / "n.ckpt", {
+            "w": full["w"][rows, cols], "adam_m.w": full["adam_m.w"][rows, cols],
+            "accu_grads.w": full["accu_grads.w"][:, cols]})
+    ckpt = ms.import_mindspore(tmp_path / "src", str(tmp_path / "ck"), strategy)
+    for name, value in full.items():
+        np.testing.assert_array_equal(ckpt[name].read(), value, err_msg=name)
+    assert ckpt["adam_m.w"].layout.opt_sharded and not ckpt["accu_grads.w"].layout.opt_sharded
+    files = ms.export_mindspore(ckpt, tmp_path / "dst", strategy)
+    got = pb_read(files[3])
+    assert got["adam_m.w"].shape == (4, 2) and got["accu_grads.w"].shape == (8, 2)
+    np.testing.assert_array_equal(got["accu_grads.w"], full["accu_grads.w"][:, 2:])

@@ -226,3 +226,75 @@ def test_npz_folders_hold_no_pickles(tmp_path: Path) -> None:
         save_npz({"a/b": np.ones(1)}, tmp_path / "bad")
     with pytest.raises(FileNotFoundError, match=r"no \.npz"):
         load_npz(tmp_path)
+
+
+# ----------------------------------------------------------- flow.save folders (issue 24 item 15)
+FLOW = Path(__file__).parent / "data" / "oneflow"  # written by make_samples.py with OneFlow 0.9.0
+
+
+def _flow_expected() -> dict[str, Any]:
+    import json
+
+    return json.loads((FLOW / "expected.json").read_text())
+
+
+def test_flow_save_folders_written_by_oneflow(tmp_path: Path) -> None:
+    """OneFlow's own flow.save output, per rank of a [0, 1] placement (split(0) 5 -> 3 + 2, split(1),
+    broadcast) and whole (global_dst_rank=0), read without OneFlow and without unpickling."""
+    from reshard.store.cli import main
+    from reshard.store.frontends.oneflow import load_flow_save
+
+    want = _flow_expected()
+    local = load_flow_save(FLOW / "local")
+    assert list(local) == ["model", "head", "step", "half", "lr"] and local["lr"] == 0.25
+    assert local["half"].dtype == np.float16 and local["step"].dtype == np.int64
+    np.testing.assert_array_equal(local["model"]["weight"], np.float32(want["model.weight"]))
+    rank1 = load_flow_save(FLOW / "rank_1")
+    assert rank1["model"]["weight"].shape == (2, 4) and rank1["head"]["proj.weight"].shape == (2, 1)
+
+    out = str(tmp_path / "ck")
+    assert main(["import", "oneflow", str(FLOW / "rank_0"), str(FLOW / "rank_1"), out, "--placement", "[0, 1]",
+                 "--sbp", "S(0)", "--sbp-for", "head.proj.weight=S(1)", "--sbp-for", "step=B"]) == 0
+    ckpt = rs.open(out)
+    assert ckpt["model.weight"].layout == Layout.from_oneflow([0, 1], "S(0)", (5, 4))
+    assert ckpt["model.weight"].layout.local_shape(0) == (3, 4)  # OneFlow's balanced split, as saved
+    assert ckpt.leaves == {"lr": 0.25}
+    for name in ("model.weight", "model.bias", "head.proj.weight", "step", "half"):
+        np.testing.assert_allclose(ckpt[name].read().astype(np.float32), np.float32(want[name]), err_msg=name)
+    # onto 3 ranks with OneFlow's own load rules
+    back = load_oneflow(ckpt, 2, [0, 1, 2], sbp.split(0), names=["model.weight"])
+    np.testing.assert_array_equal(back["model"]["weight"], np.float32(want["model.weight"])[4:])
+
+    whole = str(tmp_path / "whole")  # one folder of whole tensors: placement [0], broadcast by default
+    assert main(["import", "oneflow", str(FLOW / "global_dst0"), whole]) == 0
+    np.testing.assert_array_equal(rs.open(whole)["head.proj.weight"].read(), np.float32(want["head.proj.weight"]))
+
+    with pytest.raises(rs.FormatError, match=r"pickled oneflow\.nn\.modules\.linear\.Linear object"):
+        load_flow_save(FLOW / "module")  # a whole module needs unpickling: refused, named
+
+
+def test_flow_save_legacy_folders_and_what_needs_unpickling(tmp_path: Path) -> None:
+    """The pickle-free layout (one <name>/meta + <name>/out folder per tensor, snapshot_done), built to
+    OneFlow's documented layout; pickles holding anything but a state dict are refused, never loaded."""
+    import pickle
+
+    from reshard.store.frontends.oneflow import load_flow_save
+    from reshard.store.frontends.oneflow_save import decode_structure
+
+    w = np.arange(6, dtype=np.float32).reshape(2, 3)
+    (tmp_path / "legacy" / "fc.weight").mkdir(parents=True)
+    (tmp_path / "legacy" / "snapshot_done").write_text("")
+    (tmp_path / "legacy" / "fc.weight" / "meta").write_text("shape {\n  dim: 2\n  dim: 3\n}\ndata_type: kFloat\n")
+    (tmp_path / "legacy" / "fc.weight" / "out").write_bytes(w.tobytes())
+    got = load_flow_save(tmp_path / "legacy")
+    np.testing.assert_array_equal(got["fc.weight"], w)
+    (tmp_path / "legacy" / "fc.weight" / "out").write_bytes(w.tobytes()[:-4])
+    with pytest.raises(rs.ShapeMismatchError, match="20 bytes"):
+        load_flow_save(tmp_path / "legacy")
+
+    in_memory = pickle.dumps({"protocol_version": 1, "data": {"w": w}})  # written here, never loaded
+    with pytest.raises(rs.FormatError, match=r"numpy\S*_reconstruct"):
+        decode_structure(in_memory)
+    with pytest.raises(rs.FormatError, match=r"os\.system"):
+        decode_structure(b"\x80\x04\x95\x1c\x00\x00\x00\x00\x00\x00\x00\x8c\x02os\x94\x8c\x06system\x94\x93\x94"
+                         b"\x8c\x02id\x94\x85\x94R\x94.")

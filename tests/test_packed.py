@@ -67,12 +67,16 @@ def test_one_data_object_per_rank_and_references(tmp_path):
     write_ranks(url, full, layouts, [0, 1, 2, 3]).commit()
     ckpt = rs.open(url)
     assert ckpt.form == "packed"
-    gen = pathlib.Path(ckpt.zarr_url)
+    gen = pathlib.Path(ckpt.storage.url)
     objects = sorted(p.relative_to(gen).as_posix() for p in gen.rglob("*") if p.is_file())
-    # one object per rank (its manifest rides at its end), the references, the root document, the lock
-    assert objects == [".reshard/commit.lock", *[f"packed/{r}.bin" for r in range(4)], "refs.json", "zarr.json"]
+    # one object per rank (its manifest rides at its end), the references; reshard's own objects (the root
+    # document, the lock) under .reshard/, and no zarr.json: plain zarr would open the folder as a hierarchy
+    # without chunks and read fill values (issue 23)
+    assert [o for o in objects if not o.startswith(".reshard/")] == [*[f"packed/{r}.bin" for r in range(4)],
+                                                                      "refs.json"]
+    assert ".reshard/metadata.json" in objects and "zarr.json" not in objects
     doc = json.loads((gen / "refs.json").read_bytes())
-    assert (gen / "zarr.json").read_bytes() == doc["refs"]["zarr.json"].encode()
+    assert (gen / ".reshard" / "metadata.json").read_bytes() == doc["refs"]["zarr.json"].encode()
     assert doc["version"] == 1 and doc["templates"] == {"root": "."}
     assert json.loads(doc["refs"]["zarr.json"])["consolidated_metadata"]["metadata"]
     assert doc["refs"]["model/w/c/2/0"][0] == f"{{{{root}}}}/{gen.name}/packed/2.bin"
@@ -89,7 +93,7 @@ def test_a_load_reads_the_manifests_of_the_ranks_it_touches_not_the_references(t
     layouts = {n: Layout(a.shape, (8,), dims=((0,),) + ((),) * (a.ndim - 1)) for n, a in full.items()}
     url = str(tmp_path / "ck")
     write_ranks(url, full, layouts, range(8)).commit()
-    gen = pathlib.Path(rs.open(url).zarr_url)
+    gen = pathlib.Path(rs.open(url).storage.url)
     (gen / "refs.json").rename(tmp_path / "refs.json")  # reshard's reader must not need it
     ckpt = rs.open(url)
     target = {n: Layout(a.shape, (4,), dims=((0,),) + ((),) * (a.ndim - 1)) for n, a in full.items()}
@@ -111,7 +115,7 @@ def test_objects_split_at_object_bytes(tmp_path):
     url = str(tmp_path / "ck")
     write_ranks(url, full, layouts, [0, 1], object_bytes=100).commit()
     ckpt = rs.open(url)
-    parts = sorted(p.name for p in (pathlib.Path(ckpt.zarr_url) / "packed").iterdir())
+    parts = sorted(p.name for p in (pathlib.Path(ckpt.storage.url) / "packed").iterdir())
     assert len(parts) > 2 and {"0.bin", "0-1.bin", "1.bin"} <= set(parts)
     for name, arr in full.items():
         np.testing.assert_array_equal(ckpt[name].read(), arr)
@@ -126,7 +130,7 @@ def test_rank_object_groups_alike_shards(tmp_path):
     url = str(tmp_path / "ck")
     write_ranks(url, full, layouts, [0, 1, 2, 3]).commit()
     ckpt = rs.open(url)
-    refs = json.loads((pathlib.Path(ckpt.zarr_url) / "refs.json").read_bytes())["refs"]
+    refs = json.loads((pathlib.Path(ckpt.storage.url) / "refs.json").read_bytes())["refs"]
     for rank in range(4):
         at = sorted((refs[f"{n.replace('.', '/')}/c/{rank}/0"][1], n.split(".")[1]) for n in names)
         kinds = [kind for _, kind in at]
@@ -157,6 +161,36 @@ def test_plain_zarr_and_dask_read_packed_after_the_folder_moved(tmp_path):
         np.testing.assert_array_equal(zarr_engine["model.w"].read(), full["model.w"])
 
 
+@pytest.mark.parametrize("writer", ["ranks", "block writer"])
+def test_saves_with_the_old_root_zarr_json_still_open(tmp_path, writer):
+    """Packed saves before 2026-11-27 kept the root document's own copy as the generation's ``zarr.json`` (which
+    plain zarr opened as a hierarchy without chunks: issue 23). reshard reads them, verifies them, and refuses
+    their ``zarr_url`` like any packed save's; ``zarr_store()`` reads them."""
+    full, layouts = state_and_layouts()
+    url = str(tmp_path / "ck")
+    if writer == "ranks":
+        write_ranks(url, full, layouts, [0, 1, 2, 3], grid="regular").commit()
+    else:
+        rs.save(full, str(tmp_path / "dir"), layouts, form="directory", grid="regular")
+        rs.convert(str(tmp_path / "dir"), url, "packed")
+    marker = json.loads((tmp_path / "ck" / ".reshard" / "commit.json").read_bytes())
+    assert marker["locations"] == ("ranks" if writer == "ranks" else "references")
+    gen = tmp_path / "ck" / marker["generation"]
+    (gen / ".reshard" / "metadata.json").rename(gen / "zarr.json")  # where the old commit wrote it
+    ckpt = rs.open(url)
+    for name, arr in full.items():
+        np.testing.assert_array_equal(ckpt[name].read(), arr)
+        np.testing.assert_array_equal(rs.open(url, engine="zarr")[name].read(), arr)
+    assert rs.verify(url).ok
+    with pytest.raises(rs.FormatError, match=r"zarr_store\(\)"):
+        ckpt.zarr_url  # noqa: B018
+    group = zarr.open_group(ckpt.zarr_store(), mode="r")
+    np.testing.assert_array_equal(group["model/w"][...], full["model.w"])
+    (gen / "zarr.json").unlink()  # gone from both places: named, not a raw error
+    with pytest.raises(rs.FormatError, match=r"metadata\.json is missing"):
+        rs.open(url)
+
+
 def test_load_merges_ranges_across_tensors(tmp_path):
     """One target rank of 3 from 4 source ranks of 40 tensors: its manifest and one data request per source object."""
     layouts = {f"t{i}": Layout.from_dtensor((4,), ["S(0)"], (64, 512)) for i in range(40)}
@@ -183,7 +217,7 @@ def test_corrupted_references_and_data_are_refused(tmp_path):
     full, layouts = state_and_layouts()
     url = str(tmp_path / "ck")
     write_ranks(url, full, layouts, [0, 1, 2, 3]).commit()
-    gen = pathlib.Path(rs.open(url).zarr_url)
+    gen = pathlib.Path(rs.open(url).storage.url)
     data = gen / "packed" / "1.bin"
     raw = bytearray(data.read_bytes())
     raw[3] ^= 0xFF
@@ -212,18 +246,20 @@ def test_missing_rank_is_named_and_uncommitted_opens_from_manifests(tmp_path):
 
 
 def test_references_refuse_paths_outside_the_checkpoint():
-    # a folder beside the checkpoint (an incremental save's base) is allowed, nothing further out
+    # a data object of a folder beside the checkpoint (an incremental save's base) is allowed, nothing further
+    # out; every reference is checked when the file is parsed, before any reader requests anything (issue 23)
     raw = references.build({"zarr.json": b"{}"}, {"a/c/0": ("../../elsewhere/x.bin", 0, 4),
                                                   "b/c/0": ("../step-1/gen-1/packed/0-0.bin", 0, 4)})
-    parsed = references.parse("refs.json", raw)
     with pytest.raises(rs.FormatError, match="outside"):
-        parsed.locate("a/c/0", "a")
+        references.parse("refs.json", raw)
+    raw = references.build({"zarr.json": b"{}"}, {"b/c/0": ("../step-1/gen-1/packed/0-0.bin", 0, 4)})
+    parsed = references.parse("refs.json", raw)
     assert parsed.locate("b/c/0", "b") == ("../step-1/gen-1/packed/0-0.bin", 0, 4)
-    for url in ("/etc/passwd", "{{root}}/../x.bin", "{{parent}}/./x.bin", "s3://other/x.bin"):
-        hostile = references.parse("refs.json", json.dumps({"version": 1, "refs": {
-            "zarr.json": "{}", "a/c/0": [url, 0, 4]}}).encode())
+    for url in ("/etc/passwd", "{{root}}/../x.bin", "{{parent}}/./x.bin", "s3://other/x.bin",
+                "{{parent}}/.ssh/id_rsa", "{{parent}}/notes/thesis.tex", "http://127.0.0.1:1/x"):
         with pytest.raises(rs.FormatError, match="outside"):
-            hostile.locate("a/c/0", "a")
+            references.parse("refs.json", json.dumps({"version": 1, "refs": {
+                "zarr.json": "{}", "a/c/0": [url, 0, 4]}}).encode())
     with pytest.raises(rs.FormatError, match="no reference"):
         parsed.locate("a/c/1", "a")
 
@@ -248,11 +284,13 @@ def test_packed_on_s3_rank_processes_plain_zarr_and_gets(s3_proxy, s3_bucket):
     for p in procs:
         p.join(120)
         assert p.exitcode == 0
-    assert len(s3_proxy.records(method="PUT")) == 4  # one per rank: shards and manifest in one object
+    puts = s3_proxy.records(method="PUT")
+    # per rank: its data object (shards and manifest in one) and its writer's lease (gc leaves live saves alone)
+    assert len(puts) == 8 and sum(r.path.endswith(".reshard/lease.json") for r in puts) == 4
     s3_proxy.reset_counters()
     rs.commit(url, storage_options=opts, form="packed")
     puts = s3_proxy.records(method="PUT")
-    assert len(puts) <= 4  # the lock, the references, the root document, the marker
+    assert len(puts) <= 5  # the lock, the references, the root document, the marker, the lock marked done
     full, _ = state_and_layouts()
     s3_proxy.reset_counters()
     ckpt = rs.open(url, storage_options=opts)
@@ -363,9 +401,9 @@ def test_small_shards_are_read_straight_into_their_arrays_and_still_checked(tmp_
     assert len(direct) == 1 and direct[0] >= 30 - 5  # one request; the last 256 KiB came with the manifest
     meta, part = ckpt.arrays["p1"], got["p1"][:30]
     assert fetch.whole_read(meta, (0, 0), (slice(0, 30), slice(0, 256)), part, "p1/c/0/0", 0, part.nbytes + 24) is None
-    refs = json.loads((pathlib.Path(ckpt.zarr_url) / "refs.json").read_bytes())["refs"]
+    refs = json.loads((pathlib.Path(ckpt.storage.url) / "refs.json").read_bytes())["refs"]
     obj, off, _ = refs["p7/c/0/0"]
-    data = pathlib.Path(ckpt.zarr_url) / obj.split("/", 2)[2]  # "{{root}}/gen-.../packed/0.bin"
+    data = pathlib.Path(ckpt.storage.url) / obj.split("/", 2)[2]  # "{{root}}/gen-.../packed/0.bin"
     original = data.read_bytes()
     body = full["p7"].nbytes
 
@@ -454,9 +492,9 @@ def test_large_shards_load_without_their_index_and_verify_still_checks_it(tmp_pa
         np.testing.assert_array_equal(got[name], full[name][target[name].region(1)])
     assert decoded == []
     assert rs.verify(url).ok and decoded  # verify decodes the indexes
-    refs = json.loads((pathlib.Path(ckpt.zarr_url) / "refs.json").read_bytes())["refs"]
+    refs = json.loads((pathlib.Path(ckpt.storage.url) / "refs.json").read_bytes())["refs"]
     obj, off, n = refs["t2/c/1/0"]
-    data = pathlib.Path(ckpt.zarr_url) / obj.split("/", 2)[2]
+    data = pathlib.Path(ckpt.storage.url) / obj.split("/", 2)[2]
     original = data.read_bytes()
     for at, error in ((off + n - 30, None), (off + 1000, rs.ChecksumError)):  # in the index, in a chunk
         raw = bytearray(original)

@@ -136,7 +136,7 @@ def test_save_id_rejects_stale_manifests(tmp_path):
 
 def test_commit_takes_own_records_as_built_and_parses_the_rest(tmp_path):
     """A writer's own records are not parsed again at commit, but only where they equal what the manifests say."""
-    from reshard.store.commit.protocol import generation_of
+    from reshard.store.commit.marker import generation_of
     from reshard.store.format.manifests import merge_manifests, read_manifests
 
     url = str(tmp_path / "ck")

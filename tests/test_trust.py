@@ -195,3 +195,86 @@ def test_dcp_import_refuses_missing_and_tensorless_checkpoints(tmp_path, monkeyp
     dcp.save({"w": torch.arange(4.0)}, checkpoint_id=str(tmp_path / "ok"))
     assert main(["import", "dcp", "ok", "ck"]) == 0  # a relative path works
     np.testing.assert_array_equal(rs.open(os.path.join(tmp_path, "ck")).read("w"), np.arange(4.0))
+
+
+# ------------------------------------------------------------ issue 23, items 10, 12, 13
+def test_storage_confines_keys_to_the_root_and_its_siblings_data(tmp_path):
+    """Item 10: ``../.ssh/id_rsa`` and, on ``http://HOST:PORT``, ``../HOST:OTHER/...`` left the checkpoint."""
+    from reshard.store.io.storage import Storage
+
+    local = Storage(str(tmp_path / "ck"))
+    assert local.path("gen-1/packed/0.bin") == f"{tmp_path}/ck/gen-1/packed/0.bin"
+    assert local.path("../step-1/gen-1/packed/0.bin") == f"{tmp_path}/step-1/gen-1/packed/0.bin"
+    for key in ("/etc/passwd", "a/../../b", "../.ssh/id_rsa", "../../x", "a//b", "./a", "a/./b", "../"):
+        with pytest.raises(rs.FormatError, match="outside"):
+            local.path(key)
+    top = Storage("http://127.0.0.1:1")  # a host's top: it has no sibling on that host
+    with pytest.raises(rs.FormatError, match="outside"):
+        top.path("../127.0.0.1:2/x/packed/0.bin")
+    assert Storage("http://127.0.0.1:1/ck").path("../other/g/packed/0.bin") == "http://127.0.0.1:1/other/g/packed/0.bin"
+    with pytest.raises(rs.FormatError, match="outside"):
+        Storage("memory://bucket").path("../other-bucket/g/packed/0.bin")
+
+
+def test_links_fifos_and_loops_are_refused_at_once(tmp_path):
+    """Items 10, 12, 13: a link read /etc/passwd; a FIFO hung; a link loop was retried 6 times as transient."""
+    from reshard.store.io.storage import Storage
+
+    root = tmp_path / "ck"
+    root.mkdir()
+    (tmp_path / "secret").write_bytes(b"secret")
+    (root / "out").symlink_to(tmp_path / "secret")
+    (root / "zero").symlink_to("/dev/zero")
+    (root / "loop").symlink_to("loop")
+    (root / "dir").symlink_to(tmp_path)
+    os.mkfifo(root / "fifo")
+    (root / "ok").write_bytes(b"fine")
+    storage = Storage(str(root))
+    for key in ("out", "zero", "loop", "dir/secret"):
+        with pytest.raises(rs.FormatError, match="symbolic link"):
+            storage.read(key)
+        with pytest.raises(rs.FormatError, match="symbolic link"):
+            storage.read_into(key, 0, [memoryview(bytearray(4))])
+    with pytest.raises(rs.FormatError, match="not a regular file"):
+        storage.read("fifo")
+    assert storage.stats.retries == 0
+    assert storage.read("ok") == b"fine"
+    (root / "big").write_bytes(b"x" * 100)
+    with pytest.raises(rs.FormatError, match="100 bytes, over the 99-byte limit"):
+        storage.read("big", limit=99)
+
+
+def test_zstd_chunks_decode_within_their_size():
+    """Item 12: a chunk of kilobytes inflated to 2 GiB before its size was checked."""
+    from reshard.store.format.encode import decompress
+
+    # a zstd frame of RLE blocks, no declared size: 4 bytes per 128 KiB of zeros (tests/reliability/test_hostile.py)
+    bomb = b"\x28\xb5\x2f\xfd\x00\x38" + b"".join(
+        (int(i == 511) | 2 | (128 << 13)).to_bytes(3, "little") + b"\x00" for i in range(512))
+    assert len(bomb) < 4096
+    with pytest.raises(ValueError):
+        decompress(bomb, 1 << 20)
+    import numcodecs.zstd
+
+    declared = numcodecs.zstd.compress(bytes(1 << 20), 3)
+    with pytest.raises(ValueError, match="declares 1048576 bytes"):
+        decompress(declared, 1024)
+    assert decompress(declared, 1 << 20).nbytes == 1 << 20
+
+
+def test_a_failed_npz_export_leaves_no_unraisable_errors(tmp_path):
+    """Item 13: ``reshard export`` to npz printed ``Exception ignored ... seek of closed file`` after a failure."""
+    import subprocess
+    import sys
+
+    url = str(tmp_path / "ck")
+    rs.save({"a": np.arange(100_000.0), "b": np.arange(100_000.0)}, url, form="directory")
+    os.remove(next(p for p in _files(tmp_path / "ck") if p.parts[-3:] == ("b", "c", "0")))
+    code = ("import sys; from reshard.store.cli import main; import gc; rc = main(['export', sys.argv[1], "
+            "sys.argv[2], '--format', 'npz']); gc.collect(); sys.exit(rc)")
+    done = subprocess.run([sys.executable, "-c", code, url, str(tmp_path / "out.npz")], capture_output=True,
+                          timeout=120)
+    assert done.returncode == 1, done.stderr.decode()[-2000:]
+    assert b"Exception ignored" not in done.stderr, done.stderr.decode()[-2000:]
+    assert b"'b'" in done.stderr + done.stdout
+    assert not (tmp_path / "out.npz").exists()

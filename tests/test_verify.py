@@ -21,7 +21,7 @@ import reshard.store as rs
 from paths import zarr_root
 from reshard.layouts import Layout
 from reshard.store.cli import main
-from reshard.store.commit.protocol import Marker
+from reshard.store.commit.marker import Marker
 from reshard.store.format.consolidated import summary_seal
 from reshard.store.ops.verify import KINDS, verify
 

@@ -180,3 +180,68 @@ def test_fresh_venv_installs_reshard_alone_and_zarr_reads_bf16(
     result = _run(python, PROBE, root)
     _check_documented(result, truth)
     _check_reads(_run(python, PROBE_REGISTERED, root), truth)
+
+
+# ----------------------------------------------- no folder reads fill values (issue 23 item 1)
+def _numbered_state() -> dict[str, np.ndarray]:
+    """Values that are nowhere zero: an array read as its fill value cannot pass for them."""
+    return {"model.w": np.arange(1, 13, dtype=np.float32).reshape(3, 4),
+            "model.layer0.bias": np.arange(1, 9, dtype=ml_dtypes.bfloat16),
+            "step_table": np.arange(5, 11, dtype=np.int64).reshape(2, 3)}
+
+
+def _what_plain_zarr_finds(root: Path) -> dict[str, np.ndarray]:
+    """Every array plain zarr-python opens in any folder under ``root``, by ``folder::array path``, read whole."""
+    import zarr
+
+    found: dict[str, np.ndarray] = {}
+    for folder in [root, *sorted(p for p in root.rglob("*") if p.is_dir())]:
+        try:
+            node = zarr.open(str(folder), mode="r")
+        except FileNotFoundError:  # zarr's NodeNotFoundError: nothing zarr recognises here
+            continue
+        where = folder.relative_to(root).as_posix()
+        members = [("", node)] if isinstance(node, zarr.Array) else node.members(max_depth=None)
+        for path, member in members:
+            if isinstance(member, zarr.Array):
+                found[f"{where}::{path}"] = member[...]
+    return found
+
+
+@pytest.mark.parametrize("form", ["directory", "packed"])
+def test_no_folder_of_a_save_reads_as_fill_values(form: str, tmp_path: Path) -> None:
+    """A packed save's folder held a root ``zarr.json`` (every array's metadata) and no chunk objects: zarr-python
+    opened it and read every array as zeros, without an error. Now whatever plain zarr opens anywhere in a
+    checkpoint (here and in a moved copy) reads the saved values, and a packed save's ``zarr_url`` refuses,
+    naming ``zarr_store()``, which reads them."""
+    import zarr
+
+    state = _numbered_state()
+    layouts = {n: Layout.from_dtensor((2,), ["S(0)"], a.shape) for n, a in state.items()}
+    url = tmp_path / "ck"
+    rs.save(state, str(url), layouts, form=form)
+    moved = tmp_path / "elsewhere" / "copy"
+    shutil.copytree(url, moved)
+    shutil.rmtree(url)  # the copy must not lean on the original
+    ckpt = rs.open(str(moved))
+    assert ckpt.form == form
+    for name, want in state.items():
+        assert ckpt[name].read().tobytes() == want.tobytes(), name
+    found = _what_plain_zarr_finds(moved)
+    gen = Path(ckpt.storage.url).relative_to(moved).as_posix()
+    for key, got in found.items():
+        where, path = key.split("::")
+        name = ".".join(p for p in f"{where}/{path}".removeprefix(f"{gen}").split("/") if p)
+        assert got.tobytes() == ckpt[name].read().tobytes(), f"plain zarr at {key} reads other values ({got!r})"
+    if form == "directory":
+        assert {k.split("::")[1] for k in found if k.startswith(f"{gen}::")} == {
+            "model/w", "model/layer0/bias", "step_table"}  # the save's folder is the whole hierarchy
+        group = zarr.open_group(ckpt.zarr_url, mode="r")
+        assert group["model/w"][...].tobytes() == state["model.w"].tobytes()
+    else:
+        assert found == {}  # nothing under a packed checkpoint looks like a zarr hierarchy
+        with pytest.raises(rs.FormatError, match=r"packed form.*zarr_store\(\)"):
+            ckpt.zarr_url  # noqa: B018
+    group = zarr.open_group(ckpt.zarr_store(), mode="r")  # either form, from the moved copy
+    for name, want in state.items():
+        assert group[name.replace(".", "/")][...].tobytes() == want.tobytes(), name

@@ -147,6 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--layout", metavar="SPEC", help="MindSpore strategy file (protobuf or JSON) or a JSON "
                                                        "file {name: Layout.to_json()}")
     spec.add_argument("--tp", type=int, help="short form: tensors of 2+ dims split dim 0 over tp ranks")
+    p.add_argument("--preset", choices=["megatron"],
+                   help="short form: split each tensor as Megatron tensor parallelism does, by its Hugging Face name "
+                        "(column-parallel q/k/v/gate/up, row-parallel o_proj/down_proj, vocab-parallel embeddings; "
+                        "GPT-2's Conv1D transposed; docs/huggingface.md)")
     p.add_argument("--dp", type=int, default=1, help="short form: data-parallel replicas (default 1)")
     p.add_argument("--opt-shard", action="store_true", help="short form: optimizer states also split "
                                                             "over dp (MindSpore optimizer sharding)")
@@ -162,19 +166,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("export", cmd_export, "stream every tensor into one file (safetensors, npz, torch), "
             "or into MindSpore per-rank files", json_out=False)
     p.usage = ("%(prog)s [-h] [-S KEY=VALUE] [--format F] [--strategy FILE] [--max-shard-size SIZE] [--prefix P] "
-               "[FORMAT] SRC FILE")
+               "[--overwrite] [FORMAT] SRC FILE")
     p.add_argument("paths", nargs="+", metavar="[FORMAT] SRC FILE",
                    help="FORMAT, if given, is --format (reshard export mindspore SRC DIR --strategy FILE); "
                         "FILE is the output file (a folder for mindspore)")
     p.add_argument("--format", choices=EXPORT_FORMATS,
                    help="default from FILE's extension: .npz, .pt/.pth (torch), else safetensors")
     p.add_argument("--strategy", help="mindspore only: the target strategy file (rank_N/ folders are written)")
+    p.add_argument("--ms-format", choices=["ckpt", "safetensors"], default=None,
+                   help="mindspore only: rank_N/checkpoint_N.ckpt (default) or .safetensors (MindSpore >= 2.4)")
     p.add_argument("--max-shard-size", metavar="SIZE",
                    help="safetensors only: FILE is a folder of Hugging Face shards of at most SIZE ('5GB', '500MiB') "
                         "with model.safetensors.index.json (one model.safetensors when everything fits); the "
                         "default when FILE is an existing folder: 5GB")
     p.add_argument("--prefix", default="", help="torch only: export the tensors under PREFIX, named without it "
                                                 "(--prefix model. gives a file for model.load_state_dict)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="safetensors folders: replace a folder that is not empty (written beside it, then swapped in)")
     p = add("gc", cmd_gc, "delete the saves a checkpoint no longer uses: replaced ones and abandoned attempts")
     p.add_argument("url")
     p.add_argument("--min-age", type=float, default=3600.0, metavar="SECONDS",

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..format.meta import ArrayMeta
+from ..format.tree import json_leaves
 from ..read.display import human_bytes
 from ..read.graph.schedule import progress_bar
 
@@ -134,8 +135,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 "layout_json": m.layout.to_json()} for n, m in zip(names, metas, strict=True)}
     totals = {"tensors": len(metas), "nbytes": sum(m.nbytes for m in metas),
               "shards": sum(math.prod(m.grid) for m in metas), "ranks": len(ranks)}
-    data = {"url": ckpt.url, "committed": ckpt.committed, "save_id": ckpt.save_id, "zarr_url": ckpt.zarr_url,
-            "form": ckpt.form, "references_url": ckpt.references_url, "tensors": info, "leaves": ckpt.leaves,
+    data = {"url": ckpt.url, "committed": ckpt.committed, "save_id": ckpt.save_id, "form": ckpt.form,
+            "zarr_url": ckpt.zarr_url if ckpt.form == "directory" else None,  # packed: no zarr folder
+            "references_url": ckpt.references_url, "tensors": info, "leaves": json_leaves(ckpt.leaves),
             "totals": totals}
     if args.json:
         emit(args, data, "")
@@ -151,8 +153,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"{ckpt.url}  ({state}, saved by {len(ranks)} ranks)")
     if ckpt.references_url is None:
         print(f"zarr group (plain zarr, TensorStore, dask): {ckpt.zarr_url}")
-    else:
-        print(f"packed form; zarr group through references (plain zarr, dask; docs/format.md): {ckpt.references_url}")
+    else:  # no folder of a packed save is a zarr hierarchy: its chunks are byte ranges of the ranks' objects
+        print(f"packed form; zarr-python, xarray, dask: rs.open(url).zarr_store(), or fsspec reference:// over "
+              f"{ckpt.references_url} (docs/format.md)")
     for r in (head, *rows):
         print("  ".join(c.rjust(w) if i >= 4 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
               .rstrip())
@@ -319,8 +322,9 @@ def cmd_diff(args: argparse.Namespace) -> int:
     common = sorted(set(a.arrays) & set(b.arrays), key=_natural)
     changed = {n: f"{a.arrays[n].dtype}{list(a.arrays[n].shape)} -> {b.arrays[n].dtype}{list(b.arrays[n].shape)}"
                for n in common if (a.arrays[n].dtype, a.arrays[n].shape) != (b.arrays[n].dtype, b.arrays[n].shape)}
-    leaves = {k: [a.leaves.get(k), b.leaves.get(k)] for k in sorted(set(a.leaves) | set(b.leaves))
-              if a.leaves.get(k) != b.leaves.get(k) or (k in a.leaves) != (k in b.leaves)}
+    la, lb = json_leaves(a.leaves), json_leaves(b.leaves)
+    leaves = {k: [la.get(k), lb.get(k)] for k in sorted(set(la) | set(lb))
+              if la.get(k) != lb.get(k) or (k in la) != (k in lb)}
     hashes_a, hashes_b = shard_hashes(a), shard_hashes(b)
     by_hash = [n for n in common if n not in changed and same_by_hash(a, b, n, hashes_a, hashes_b)]
     tensors: dict[str, Any] = {n: {"same": True, "max_abs": 0.0, "max_rel": 0.0, "by_hash": True} for n in by_hash}

@@ -2,7 +2,7 @@
 
 ``reshard import dcp SRC DST``, ``reshard import orbax SRC DST``,
 ``reshard import safetensors SRC DST``,
-``reshard import mindspore SRC_DIR DST --strategy FILE`` and
+``reshard import mindspore SRC DST [--strategy FILE] [--file NAME]`` and
 ``reshard import oneflow SRC_DIR... DST --placement RANKS --sbp SBP
 [--sbp-for NAME=SBP ...]``. Each framework is imported only when its command
 runs.
@@ -15,8 +15,8 @@ import json
 import time
 from typing import Any
 
-ONEFLOW_HELP = ("a OneFlow state dict saved by the ranks of a model-file placement, one plain numpy folder per "
-                "rank (no pickles: OneFlow's flow.save files are not read)")
+ONEFLOW_HELP = ("a OneFlow state dict saved by the ranks of a model-file placement: one flow.save folder per rank "
+                "(read without OneFlow; its pickled_data is decoded, never unpickled) or one save_npz folder per rank")
 
 
 def register_import(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -37,19 +37,28 @@ def register_import(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p = add("orbax", _orbax, "Orbax checkpoint folder (StandardCheckpointer / PyTreeCheckpointer), a step folder, "
                              "or a CheckpointManager folder (its latest finished step, or --step)")
     p.add_argument("--step", type=int, default=None, help="with a CheckpointManager folder: the step to import")
-    p = add("mindspore", _mindspore, "MindSpore per-rank rank_N/*.ckpt files plus the training strategy file")
-    p.add_argument("--strategy", required=True, help="strategy file (protobuf or JSON, pipeline-merged too)")
+    p = add("mindspore", _mindspore, "MindSpore per-rank rank_N/*.ckpt (or *.safetensors) files plus the training "
+            "strategy file; or a single-device save: a .ckpt / .safetensors file, or a ModelCheckpoint folder "
+            "(its latest file, or --file)")
+    p.add_argument("--strategy", default=None,
+                   help="strategy file (protobuf or JSON, pipeline-merged too); without it every file holds whole "
+                        "tensors (a single-device or integrated save)")
+    p.add_argument("--file", default=None, metavar="NAME",
+                   help="the file (name or glob; {rank} is the rank) to import from each rank_N folder, or from a "
+                        "single-device folder (default: its latest, by epoch and step)")
     add("safetensors", _safetensors, "a safetensors file, or a Hugging Face folder (model.safetensors, or "
         "model.safetensors.index.json and its model-0000k-of-0000n.safetensors shards); one tensor in memory at a time")
     p = sub.add_parser("oneflow", parents=[common], help=ONEFLOW_HELP, description=ONEFLOW_HELP)
     p.add_argument("src", nargs="+", metavar="SRC_DIR",
-                   help="one folder per placement rank, in the order of --placement's ranks, each written by "
-                        "reshard.store.frontends.oneflow.save_npz (tensors.npz + leaves.json) or a bare .npz file")
+                   help="one folder per placement rank, in the order of --placement's ranks: what flow.save wrote "
+                        "(pickled_data + tensor_N/meta + tensor_N/out), a save_npz folder, or a bare .npz file")
     p.add_argument("dst", metavar="DST_URL", help="URL of the reshard checkpoint to write")
-    p.add_argument("--placement", required=True, metavar="RANKS",
-                   help="the model-file placement's ranks as JSON: '[0, 1]', or '[[0, 1], [2, 3]]' for 2-d")
-    p.add_argument("--sbp", required=True, metavar="SBP",
-                   help="SBP of every tensor: 'S(0)', 'split(1)', 'B'; a JSON list for an N-d placement")
+    p.add_argument("--placement", default=None, metavar="RANKS",
+                   help="the model-file placement's ranks as JSON: '[0, 1]', or '[[0, 1], [2, 3]]' for 2-d "
+                        "(default: one rank per SRC_DIR, 0..n-1)")
+    p.add_argument("--sbp", default=None, metavar="SBP",
+                   help="SBP of every tensor: 'S(0)', 'split(1)', 'B'; a JSON list for an N-d placement "
+                        "(required with several SRC_DIRs; one SRC_DIR holds whole tensors: B)")
     p.add_argument("--sbp-for", action="append", default=[], metavar="NAME=SBP",
                    help="SBP of the tensors whose dotted name matches the glob NAME (repeatable, the first match "
                         "wins), e.g. --sbp-for System-Train-TrainStep=B")
@@ -111,7 +120,8 @@ def _mindspore(args: argparse.Namespace) -> int:
     from ..frontends.mindspore import import_mindspore
 
     t0 = time.perf_counter()
-    ckpt = import_mindspore(args.src, args.dst, Path(args.strategy).read_bytes(), **_options(args))
+    strategy = Path(args.strategy).read_bytes() if args.strategy is not None else None
+    ckpt = import_mindspore(args.src, args.dst, strategy, file_name=args.file, **_options(args))
     return _report("MindSpore checkpoint", args, t0, {"tensors": len(ckpt), "bytes": ckpt.nbytes})
 
 
@@ -132,15 +142,17 @@ def _sbp_arg(text: str) -> Any:
 def _oneflow(args: argparse.Namespace) -> int:
     from fnmatch import fnmatchcase
 
-    from ..frontends.oneflow import global_shapes, load_npz, placement_ranks, save_oneflow, tensor_paths
+    from ..frontends.oneflow import global_shapes, load_local, placement_ranks, save_oneflow, tensor_paths
     from ..frontends.sources import refuse_empty
     from ..write.writer import single_process
 
-    ranks = json.loads(args.placement)
+    ranks = json.loads(args.placement) if args.placement is not None else list(range(len(args.src)))
     flat = placement_ranks(ranks)
     if len(args.src) != len(flat):
         args.parser.error(f"--placement {args.placement} has {len(flat)} ranks but {len(args.src)} SRC_DIRs were given")
-    default = _sbp_arg(args.sbp)
+    if args.sbp is None and len(flat) > 1:
+        args.parser.error(f"--sbp is required with {len(flat)} ranks (how the tensors are divided among them)")
+    default = _sbp_arg(args.sbp) if args.sbp is not None else "B"
     rules = []
     for rule in args.sbp_for:
         name, sep, value = rule.partition("=")
@@ -160,11 +172,11 @@ def _oneflow(args: argparse.Namespace) -> int:
         return state
 
     # plan from the headers (exact global shapes, even for uneven splits), then one rank in memory at a time
-    heads = {rank: known(load_npz(src, headers_only=True)) for rank, src in zip(flat, args.src, strict=True)}
+    heads = {rank: known(load_local(src, headers_only=True)) for rank, src in zip(flat, args.src, strict=True)}
     shapes = global_shapes(heads, ranks, spec)
     refuse_empty("OneFlow", " ".join(args.src), len(shapes))
     options = single_process(_options(args))  # every rank's part from this one process: one fresh save_id
     for i, (rank, src) in enumerate(zip(flat, args.src, strict=True)):
-        save_oneflow(known(load_npz(src)), args.dst, ranks, spec, rank=rank, shapes=shapes,
+        save_oneflow(known(load_local(src)), args.dst, ranks, spec, rank=rank, shapes=shapes,
                      commit=i == len(flat) - 1, **options)
     return _report("OneFlow state", args, t0, {"ranks": len(flat), "tensors": len(shapes)})

@@ -72,12 +72,18 @@ def cmd_redivide(args: argparse.Namespace) -> int:
     ckpt = open_url(args.src, args)
     opts = storage_options(args.storage_option)
     if args.layout is not None:
-        if args.dp != 1 or args.opt_shard:
-            args.parser.error("--dp and --opt-shard belong to the short form (--tp)")
+        if args.dp != 1 or args.opt_shard or args.preset:
+            args.parser.error("--dp, --opt-shard and --preset belong to the short form (--tp)")
         layouts = load_layout_spec(args.layout, ckpt.arrays)
         unknown = sorted(set(layouts) - set(ckpt.arrays))
         if unknown:
             print(f"note: {len(unknown)} layouts name tensors {args.src} lacks, e.g. {unknown[:3]}", file=sys.stderr)
+    elif args.preset:
+        if args.opt_shard:
+            args.parser.error("--opt-shard does not combine with --preset")
+        from ..frontends.hf_presets import preset_layouts
+
+        layouts = preset_layouts({n: m.shape for n, m in ckpt.arrays.items()}, args.tp, args.dp, args.preset)
     else:
         layouts = short_layouts(ckpt.arrays, args.tp, args.dp, args.opt_shard)
     t0 = time.perf_counter()
@@ -135,11 +141,14 @@ def cmd_export(args: argparse.Namespace) -> int:
         args.parser.error("--max-shard-size applies to --format safetensors only")
     if (fmt == "mindspore") != bool(args.strategy):
         args.parser.error("--format mindspore needs --strategy, and --strategy needs --format mindspore")
+    if getattr(args, "ms_format", None) and fmt != "mindspore":
+        args.parser.error("--ms-format applies to --format mindspore only")
     t0 = time.perf_counter()
     if fmt == "mindspore":
         from ..frontends.mindspore import export_mindspore
 
         files = export_mindspore(args.src, args.file, Path(args.strategy).read_bytes(),
+                                 format=getattr(args, "ms_format", None) or "ckpt",
                                  storage_options=storage_options(args.storage_option))
         print(f"exported {len(files)} rank files under {args.file} in {time.perf_counter() - t0:.2f} s")
         return 0
@@ -150,7 +159,8 @@ def cmd_export(args: argparse.Namespace) -> int:
             size = parse_size(args.max_shard_size or DEFAULT_SHARD_SIZE)
         except ValueError as e:
             args.parser.error(f"--max-shard-size: {e}")
-        done = export_safetensors(open_url(args.src, args), args.file, max_shard_size=size)
+        done = export_safetensors(open_url(args.src, args), args.file, max_shard_size=size,
+                                  overwrite=args.overwrite)
         seconds = time.perf_counter() - t0
         print(f"exported {human_bytes(done['total_size'])} of tensors to {args.file}: {len(done['files'])} "
               f"safetensors file(s)" + (f" and {Path(done['index']).name}" if done["index"] else "")
@@ -199,7 +209,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 def cmd_unlock(args: argparse.Namespace) -> int:
     """``reshard unlock``: remove the commit lock of a save whose committer died."""
-    from ..commit.protocol import unlock
+    from ..commit.locks import unlock
 
     found = unlock(args.url, args.save_id, storage_options=storage_options(args.storage_option))
     emit(args, {"unlocked": found}, f"removed the commit lock of save {args.save_id!r}" if found

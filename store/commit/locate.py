@@ -30,11 +30,12 @@ from ..format import refs as references
 from ..format.manifests import TAIL_GUESS, read_manifest
 from ..format.meta import ArrayMeta
 from ..format.refs import REFS_KEY, Location
+from ..format.schema import MAX_REFERENCES_BYTES
 from ..io import pool
 from ..io.packed import Spans
 from ..io.stats import IOStats
 from ..io.storage import Storage
-from .protocol import Marker, metadata_digest
+from .marker import Marker, metadata_digest
 
 #: One shard to locate: its tensor's record, grid index and key.
 Shard = tuple[ArrayMeta, tuple[int, ...], str]
@@ -59,12 +60,16 @@ class Locator(Protocol):
         """The location of each shard, in order (FormatError for a shard with none), and the requests made."""
         ...
 
+    def references(self, stats: IOStats | None = None) -> references.References:
+        """The save's references, read and checked on first use (what the general engines read through)."""
+        ...
+
 
 def read_references(gen: Storage, marker: Marker | None) -> references.References:
     """A packed save's references, checked against the digest its marker recorded (``marker=None``: not checked)."""
     where = f"{gen.url}/{REFS_KEY}"
     try:
-        raw = gen.read(REFS_KEY)
+        raw = gen.read(REFS_KEY, limit=MAX_REFERENCES_BYTES)
     except FileNotFoundError:
         raise FormatError(f"{where} is missing: the committed save's references are gone") from None
     if marker is not None and metadata_digest(raw) != marker.references_sha256:
@@ -118,6 +123,10 @@ class ByRanks:
         #: Data objects small enough that reading their manifest read them whole (keys under the root):
         #: their shards need no other request.
         self.spans = Spans()
+        self._by_references = ByReferences(gen, None)
+
+    def references(self, stats: IOStats | None = None) -> references.References:
+        return self._by_references.references(stats)
 
     def locate_all(self, shards: Sequence[Shard]) -> tuple[list[Location], IOStats]:
         owners = [meta.layout.owner(tuple(s.start for s in meta.shard_region(idx))) for meta, idx, _ in shards]

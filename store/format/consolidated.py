@@ -26,8 +26,17 @@ from typing import Any
 from reshard.layouts.errors import FormatError
 
 from .dtypes import SUPPORTED
-from .meta import FORMAT_VERSION, ArrayMeta, group_json, stored_name, tensor_path
+from .meta import FORMAT_VERSION, META_DIR, ArrayMeta, group_json, stored_name, tensor_path
 from .schema import check_root, dtype_of, int_list, loads_json
+
+#: The root document of a directory-form save: the generation's ``zarr.json``, a real zarr hierarchy's root.
+ROOT_KEY = "zarr.json"
+#: The packed form's copy of its root document, an object of its own for ``open`` (the references hold it as
+#: their ``zarr.json``). Not named ``zarr.json``: the packed generation's folder holds no chunk objects, so a
+#: ``zarr.json`` there would make zarr-python open a hierarchy that reads every array as its fill value.
+PACKED_ROOT_KEY = f"{META_DIR}/metadata.json"
+#: Where packed saves committed before 2026-11-27 kept that copy (still read, after :data:`PACKED_ROOT_KEY`).
+OLD_PACKED_ROOT_KEY = ROOT_KEY
 
 #: How every root document written by :func:`root_document` begins.
 _PREFIX = '{"zarr_format": 3, "node_type": "group", "attributes": '

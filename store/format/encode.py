@@ -41,6 +41,40 @@ def zstd() -> Any:
     return Zstd(level=3)
 
 
+def decompress(data: Any, nbytes: int) -> np.ndarray:
+    """Decode one zstd chunk into exactly ``nbytes`` bytes, never more (a chunk's decoded size is known).
+
+    A chunk whose frame declares another size, or that inflates past
+    ``nbytes`` (a "zip bomb": kilobytes that decode to gigabytes), is a
+    ValueError before more than ``nbytes`` are allocated.
+    """
+    from numcodecs import zstd as _zstd
+
+    declared = _zstd_content_size(data)
+    if declared is not None and declared != nbytes:
+        raise ValueError(f"its zstd frame declares {declared} bytes, not the chunk's {nbytes}")
+    out = np.empty(nbytes, np.uint8)
+    try:
+        _zstd.decompress(data, out)
+    except RuntimeError as e:  # too small a destination: it inflates past the chunk
+        raise ValueError(str(e)) from None
+    return out
+
+
+def _zstd_content_size(data: Any) -> int | None:
+    """The decoded size a zstd frame's header declares, or None (no such field, or not a zstd frame)."""
+    head = bytes(memoryview(data)[:18])
+    if len(head) < 6 or head[:4] != b"\x28\xb5\x2f\xfd":
+        return None
+    flags = head[4]
+    single, size = (flags >> 5) & 1, (1 if (flags >> 5) & 1 else 0, 2, 4, 8)[flags >> 6]
+    pos = 5 + (0 if single else 1) + (0, 1, 2, 4)[flags & 3]
+    if not size or len(head) < pos + size:
+        return None
+    value = int.from_bytes(head[pos : pos + size], "little")
+    return value + 256 if size == 2 else value
+
+
 def encode_chunk(data: np.ndarray, meta: ArrayMeta) -> list[Any]:
     """Stored bytes of one chunk as a list of buffers (data [, crc32c])."""
     view: Any = bytes_view(data.astype(data.dtype.newbyteorder("<"), copy=False))

@@ -16,6 +16,7 @@ import numpy as np
 from reshard.layouts.errors import FormatError
 
 from .meta import ArrayMeta
+from .refs import References
 
 if TYPE_CHECKING:
     from ..io.storage import Storage
@@ -70,32 +71,41 @@ def tensorstore_array(storage: Storage, meta: ArrayMeta, write: bool = False) ->
     return ts.open(spec, read=True).result()
 
 
-def references_store(root: Storage, refs_url: str) -> Any:
-    """A read-only zarr store over a packed save's references (fsspec ``reference://``)."""
+def references_store(root: Storage, refs: References) -> Any:
+    """A read-only zarr store over a packed save's references (fsspec ``reference://``).
+
+    fsspec gets the checked references (:func:`reshard.store.format.refs.parse`)
+    with every url resolved against the checkpoint root
+    (:meth:`~reshard.store.format.refs.References.document`), never the stored
+    file: it requests nothing outside the checkpoint and its siblings' data objects.
+    """
     import zarr
 
     options = dict(getattr(root.fs, "storage_options", None) or {})
     return zarr.storage.FsspecStore.from_url(
         "reference://", read_only=True,
-        storage_options={"fo": refs_url, "template_overrides": {"root": root.url},
+        storage_options={"fo": refs.document(root.url, root.parent_url),
                          "remote_options": {**options, "asynchronous": True}, "target_options": options})
 
 
-def zarr_array(storage: Storage, meta: ArrayMeta, fetcher: Fetcher | None = None) -> Any:
+def directory_store(storage: Storage) -> Any:
+    """A read-only zarr store over a directory-form save's folder."""
+    import zarr
+
+    if storage.local:
+        return zarr.storage.LocalStore(storage.root, read_only=True)
+    return zarr.storage.FsspecStore.from_url(storage.url, read_only=True,
+                                             storage_options=getattr(storage.fs, "storage_options", None))
+
+
+def zarr_array(storage: Storage, meta: ArrayMeta, fetcher: Fetcher) -> Any:
     """Open one stored tensor with zarr-python (read only); a packed save through its references.
 
     For a rectilinear tensor, call it inside :func:`zarr_config`.
     """
     import zarr
 
-    if fetcher is not None and fetcher.locator is not None:
-        store: Any = references_store(fetcher.root, fetcher.locator.references_url)
-    elif storage.local:
-        store = zarr.storage.LocalStore(storage.root, read_only=True)
-    else:
-        store = zarr.storage.FsspecStore.from_url(storage.url, read_only=True,
-                                                  storage_options=getattr(storage.fs, "storage_options", None))
-    return zarr.open_array(store=store, path=meta.path, mode="r")
+    return zarr.open_array(store=fetcher.general_store(), path=meta.path, mode="r")
 
 
 @contextlib.contextmanager
@@ -133,9 +143,18 @@ def read_with_engine(ckpt: Fetcher, meta: ArrayMeta, region: Region) -> np.ndarr
                               "follow byte-range references); convert with `reshard convert SRC DST --form "
                               "directory`, or use engine='fast' or 'zarr'")
         arr = tensorstore_array(ckpt.storage, meta)
-        return np.asarray(arr[region].read().result())
+        try:
+            return np.asarray(arr[region].read().result())
+        except ValueError as e:  # TensorStore's errors of malformed data
+            raise FormatError(f"tensor {meta.name!r} of {ckpt.url}: TensorStore cannot read it: {e}") from None
     with zarr_config(meta, ckpt.url):
-        return np.asarray(zarr_array(ckpt.storage, meta, ckpt)[region])
+        try:
+            return np.asarray(zarr_array(ckpt.storage, meta, ckpt)[region])
+        except FileNotFoundError as e:  # fsspec's, for an object the references name
+            raise FormatError(f"tensor {meta.name!r} of {ckpt.url}: {e.filename or e} is missing (deleted, or "
+                              "the checkpoint was copied incompletely)") from None
+        except (RuntimeError, ValueError) as e:  # zarr-python's codecs on malformed data (zstd, sizes)
+            raise FormatError(f"tensor {meta.name!r} of {ckpt.url}: zarr-python cannot read it: {e}") from None
 
 
 def write_with_tensorstore(storage: Storage, meta: ArrayMeta, region: Region, data: np.ndarray) -> None:

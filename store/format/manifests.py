@@ -27,7 +27,7 @@ from ..io.storage import Storage
 from .grid import Grid, allowed_grids, choose_grid
 from .meta import FORMAT_VERSION, META_DIR, ArrayMeta
 from .refs import PACKED_DIR, rank_object, trailer_lengths
-from .schema import check_manifest, check_names, check_tensors, loads_json
+from .schema import MAX_DOCUMENT_BYTES, check_manifest, check_names, check_tensors, loads_json
 
 
 def rank_manifest(rank: int, save_id: str, metas: Mapping[str, ArrayMeta], leaves: dict[str, Any],
@@ -127,7 +127,7 @@ def read_manifest(storage: Storage, rank: int, form: str | None = None, *, tenso
         return _read_packed_manifest(storage, rank, tensors, tail, fresh)
     where = f"{storage.url}/{manifest_key(rank)}"
     try:
-        raw = storage.read(manifest_key(rank))
+        raw = storage.read(manifest_key(rank), limit=MAX_DOCUMENT_BYTES)
     except FileNotFoundError:
         if form == "directory":
             raise
@@ -170,6 +170,9 @@ def _read_packed_manifest(storage: Storage, rank: int, tensors: bool, tail: byte
     if tail is None:
         tail = storage.read_tail(key, TAIL_GUESS)
     footer, n_records, n_manifest = trailer_lengths(where, tail)
+    if n_manifest > MAX_DOCUMENT_BYTES or n_records > MAX_DOCUMENT_BYTES:
+        raise FormatError(f"{where}: its trailer declares a manifest of {n_manifest} bytes and tensor records of "
+                          f"{n_records}, over the limit of {MAX_DOCUMENT_BYTES} (malformed or hostile?)")
     need = footer + n_manifest
     if need > len(tail):
         tail = storage.read_tail(key, need + n_records if tensors else need)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from reshard.layouts.errors import FormatError
@@ -144,24 +144,47 @@ class References:
     #: Every key the file maps (documents, shards and anything else), and its ``templates``.
     keys: frozenset[str] = frozenset()
     templates: Any = None
+    #: The inline documents (``{zarr key: JSON text}``), the root's included.
+    inline: Mapping[str, str] = field(default_factory=dict)
 
     def locate(self, key: str, tensor: str) -> Location:
-        """Where shard ``key`` of ``tensor`` lies: (object key under the root, offset, length)."""
+        """Where shard ``key`` of ``tensor`` lies: (object key under the root, offset, length).
+
+        Every location was checked when the file was parsed (:func:`parse`).
+        """
         try:
             url, offset, length = self.shards[key]
         except KeyError:
             raise FormatError(f"tensor {tensor!r}: shard {key!r} has no reference in {self.url}") from None
-        except (TypeError, ValueError):
-            raise FormatError(f"{self.url}: malformed reference of {key!r}: {self.shards[key]!r}") from None
-        obj = _object_key(url)
-        if obj is None:
-            raise FormatError(f"{self.url}: reference of {key!r} points outside the checkpoint ({url!r})")
-        return obj, offset, length
+        return _object_key(url) or "", offset, length
 
     def objects(self) -> set[str]:
         """Every data object the references point into (keys under the root; ``../`` for a folder beside it)."""
-        return {obj for v in self.shards.values() if isinstance(v, list) and v
-                for obj in (_object_key(v[0]),) if obj is not None}
+        return {_object_key(u) or "" for u in {v[0] for v in self.shards.values()}}
+
+    def document(self, root_url: str, parent_url: str | None) -> dict[str, Any]:
+        """The references as a version 1 document for fsspec's ``reference://``, every url absolute.
+
+        Built from the checked references only: shard urls resolved here
+        against ``root_url`` (``parent_url`` for those beside it), no
+        ``templates`` or ``gen`` entries of the stored file, so fsspec requests
+        nothing but objects inside the checkpoint (or its siblings' data objects).
+        """
+        refs: dict[str, Any] = dict(self.inline)
+        urls: dict[str, str] = {}
+        for key, (url, offset, length) in self.shards.items():
+            full = urls.get(url)
+            if full is None:
+                obj = _object_key(url) or ""
+                if obj.startswith("../"):
+                    if parent_url is None:
+                        raise FormatError(f"{self.url}: reference of {key!r} points beside a checkpoint that has "
+                                          f"no parent folder on its host or bucket ({url!r})")
+                    full = urls[url] = f"{parent_url}/{obj[3:]}"
+                else:
+                    full = urls[url] = f"{root_url}/{obj}"
+            refs[key] = [full, offset, length]
+        return {"version": 1, "refs": refs}
 
 
 def _object_key(url: Any) -> str | None:
@@ -169,26 +192,50 @@ def _object_key(url: Any) -> str | None:
     if not isinstance(url, str):
         return None
     for prefix, key_prefix in ((_PREFIX, ""), (_PARENT, "../")):
-        if url.startswith(prefix) and _inside(url[len(prefix):]):
+        if url.startswith(prefix) and is_object_key(key_prefix + url[len(prefix):]):
             return key_prefix + url[len(prefix):]
     return None
 
 
 def is_object_key(key: str) -> bool:
-    """Whether ``key`` names an object inside the checkpoint root (or, with one leading ``../``, beside it)."""
-    return _inside(key[3:] if key.startswith("../") else key)
+    """Whether ``key`` names an object inside the checkpoint root, or a data object of a checkpoint beside it.
+
+    Beside it means one leading ``../``, then a folder name that does not
+    start with ``.``, then a path inside it ending ``packed/<object>`` (what
+    incremental saves reference: ``../step-100/gen-100/packed/3-0.bin``), so a
+    hostile checkpoint cannot name ``../.ssh/id_rsa`` or ``../notes/thesis.tex``.
+    """
+    if key.startswith("../"):
+        parts = key[3:].split("/")
+        return _inside(key[3:]) and len(parts) >= 3 and not parts[0].startswith(".") and parts[-2] == PACKED_DIR
+    return _inside(key)
 
 
 def _inside(path: str) -> bool:
     parts = path.split("/")
-    return bool(path) and ".." not in parts and "." not in parts and "" not in parts
+    return bool(path) and ".." not in parts and "." not in parts and "" not in parts and "\\" not in path
+
+
+#: Most entries one references file may hold (documents and shard references: tensors x shards). A save
+#: with more is read through its ranks' manifests (``locations: "ranks"``), never through the file.
+MAX_REFERENCES = 1 << 26
 
 
 def parse(url: str, raw: bytes) -> References:
-    """Parse a references file; a :class:`FormatError` naming ``url`` for anything malformed."""
+    """Parse a references file and check every reference in it: a :class:`FormatError` naming ``url`` otherwise.
+
+    The one check of references, made once where they are loaded, before any
+    reader (reshard's own, the zarr engine, :meth:`~reshard.store.Checkpoint.zarr_store`)
+    requests anything through them: every value is an inline document (a
+    string) or ``[url, offset, length]`` with ints ``offset >= 0``, ``length >= 1``
+    and a url ``{{root}}/<key inside the checkpoint>`` or ``{{parent}}/<a data
+    object of a checkpoint beside it>`` (:func:`is_object_key`): no absolute
+    path, no other host or scheme, no ``..``. Nothing else of the file is used
+    (its ``templates`` and any ``gen`` entries are ignored: :meth:`References.document`).
+    """
     try:
         doc = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise FormatError(f"{url} is not valid JSON: {e}") from None
     refs = doc.get("refs") if isinstance(doc, dict) else None
     if not isinstance(doc, dict) or doc.get("version") != 1 or not isinstance(refs, dict):
@@ -196,8 +243,26 @@ def parse(url: str, raw: bytes) -> References:
     root = refs.get("zarr.json")
     if not isinstance(root, str):
         raise FormatError(f"{url}: references lack the root zarr.json")
-    shards = {k: v for k, v in refs.items() if isinstance(v, list)}
-    return References(root.encode(), shards, url, frozenset(refs), doc.get("templates"))
+    if len(refs) > MAX_REFERENCES:
+        raise FormatError(f"{url} holds {len(refs)} references, over the limit of {MAX_REFERENCES}")
+    shards: dict[str, Any] = {}
+    inline: dict[str, str] = {}
+    checked: set[str] = set()  # distinct urls: a few per rank
+    for key, v in refs.items():
+        if isinstance(v, str):
+            inline[key] = v
+            continue
+        if (type(v) is not list or len(v) != 3 or not isinstance(v[0], str) or type(v[1]) is not int
+                or type(v[2]) is not int or v[1] < 0 or v[2] < 1):
+            raise FormatError(f"{url}: malformed reference of {key!r}: {v!r:.120} (want [url, offset, length])")
+        if v[0] not in checked:
+            if _object_key(v[0]) is None:
+                raise FormatError(f"{url}: reference of {key!r} points outside the checkpoint ({v[0][:200]!r}): "
+                                  "a url must be {{root}}/<key inside it> (or {{parent}}/<a data object of a "
+                                  "checkpoint beside it>)")
+            checked.add(v[0])
+        shards[key] = v
+    return References(root.encode(), shards, url, frozenset(refs), doc.get("templates"), inline)
 
 
 def templates_for(objects: Iterable[str]) -> dict[str, str]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -28,11 +29,38 @@ from typing import Any
 from reshard.layouts import Layout
 from reshard.layouts.errors import BadNameError, FormatError
 
-from .dtypes import SUPPORTED
+from .dtypes import SUPPORTED, numpy_dtype
 from .grid import Grid
 
 #: Longest name component (bytes) a file system takes (ext4, xfs, APFS, NTFS: 255).
 MAX_COMPONENT_BYTES = 255
+
+# ------------------------------------------------------------------ limits
+# A checkpoint is untrusted input (docs/reliability.md, "Untrusted checkpoints"): before reshard reads a
+# document whole or allocates for what one describes, it checks these. Each is far above what any save
+# reshard can write needs (the figures say how far), so only a malformed or hostile checkpoint meets one.
+#: Bytes of a commit marker (``.reshard/commit.json``): its ``ranks`` list at a million ranks is 8 MB.
+MAX_MARKER_BYTES = 64 << 20
+#: Bytes of any other metadata document read whole: a root ``zarr.json`` (about 1.2 KB per tensor: 200,000
+#: tensors), a rank's manifest or tensor records (about 300 bytes per tensor and shard it holds).
+MAX_DOCUMENT_BYTES = 256 << 20
+#: Bytes of a packed save's references (``refs.json``: about 80 bytes per shard of every tensor; reshard's own
+#: reader locates shards through the ranks' manifests and reads this file only for block writers' saves).
+MAX_REFERENCES_BYTES = 1 << 30
+#: Ranks of one layout's mesh (262,144: above the largest jobs run; tools that describe a layout rank by rank
+#: cost memory and time per rank).
+MAX_RANKS = 1 << 18
+#: Dimensions of a tensor (numpy's own limit is 64).
+MAX_NDIM = 32
+#: Elements of one tensor (2**50: a PiB at one byte each).
+MAX_ELEMENTS = 1 << 50
+#: Shards of one tensor (a shard per block of its layout: 16 M).
+MAX_SHARDS = 1 << 24
+#: Inner chunks of one shard (its index is 16 bytes per chunk: 256 MiB at this count; a writer's chunks are
+#: at least 64 KiB, so a shard this finely chunked would hold a TiB).
+MAX_CHUNKS_PER_SHARD = 1 << 24
+#: Bytes of one inner chunk, decoded (a chunk is decoded whole: a writer's are 1 MiB by default).
+MAX_CHUNK_BYTES = 4 << 30
 #: Key under which a manifest and the marker carry the sha256 of their own canonical JSON.
 SELF_DIGEST = "sha256"
 
@@ -115,7 +143,12 @@ def dtype_of(value: Any, where: str, field: str = "data_type") -> str:
 
 
 def layout_of(value: Any, where: str, shape: tuple[int, ...] | None = None) -> Layout:
-    """A layout from its JSON, checked against the array's ``shape`` when given."""
+    """A layout from its JSON, checked against the array's ``shape`` when given (a mesh of at most
+    :data:`MAX_RANKS` ranks, counted before the layout is built)."""
+    mesh = value.get("mesh") if isinstance(value, dict) else None
+    if type(mesh) is list and all(is_int(n) for n in mesh) and math.prod(mesh) > MAX_RANKS:
+        raise FormatError(f"{where}: its layout's mesh {mesh} has {math.prod(mesh)} ranks, over the limit of "
+                          f"{MAX_RANKS}")
     try:
         layout = Layout.from_json(value)
     except FormatError as e:
@@ -320,6 +353,7 @@ def check_array(name: str, doc: Any, where: str) -> dict[str, Any]:
                           f"node_type {doc.get('node_type')!r})")
     shape = int_list(get(doc, "shape", at), at, "shape")
     dtype = dtype_of(get(doc, "data_type", at), at)
+    check_shape(at, shape)
     grid = grid_of(get(doc, "chunk_grid", at), shape, at)
     shard = grid.shard
     encoding = doc.get("chunk_key_encoding")
@@ -344,6 +378,7 @@ def check_array(name: str, doc: Any, where: str) -> dict[str, Any]:
     if names not in (["bytes"], ["bytes", "crc32c"], ["bytes", "zstd"], ["bytes", "zstd", "crc32c"]) \
             or inner[0].get("configuration") != {"endian": "little"}:
         raise _fail(at, "inner codecs", "bytes (little endian) [+ zstd] [+ crc32c]", inner)
+    check_sizes(at, shape, dtype, grid, chunk)
     attrs = get(doc, "attributes", at)
     rs = get(attrs, "reshard", at)
     layout = layout_of(get(rs, "layout", at), at, shape)
@@ -354,6 +389,35 @@ def check_array(name: str, doc: Any, where: str) -> dict[str, Any]:
             "checksums": "crc32c" in names, "compressor": "zstd" if "zstd" in names else None, "origin": origin}
 
 
+def check_shape(at: str, shape: tuple[int, ...]) -> None:
+    """Refuse a tensor of more than :data:`MAX_NDIM` dimensions or :data:`MAX_ELEMENTS` elements."""
+    if len(shape) > MAX_NDIM:
+        raise FormatError(f"{at}: {len(shape)} dimensions, over the limit of {MAX_NDIM}")
+    if math.prod(shape) > MAX_ELEMENTS:
+        raise FormatError(f"{at}: shape {list(shape)} has {math.prod(shape)} elements, over the limit of "
+                          f"{MAX_ELEMENTS}")
+
+
+def check_sizes(at: str, shape: tuple[int, ...], dtype: str, grid: Grid, chunk: tuple[int, ...]) -> None:
+    """Refuse an array whose counts exceed the limits above, before anything is allocated for it.
+
+    Cheap arithmetic on the document: its shards, the inner chunks of a
+    shard, the bytes of one inner chunk.
+    """
+    if not shape:
+        return
+    shards = math.prod(grid.counts)
+    if shards > MAX_SHARDS:
+        raise FormatError(f"{at}: {shards} shards, over the limit of {MAX_SHARDS} per tensor")
+    chunks = math.prod(-(-s // c) for s, c in zip(grid.shard, chunk, strict=True))
+    if chunks > MAX_CHUNKS_PER_SHARD:
+        raise FormatError(f"{at}: inner chunk {list(chunk)} makes {chunks} chunks per shard, over the limit of "
+                          f"{MAX_CHUNKS_PER_SHARD}")
+    nbytes = math.prod(chunk) * numpy_dtype(dtype).itemsize
+    if nbytes > MAX_CHUNK_BYTES:
+        raise FormatError(f"{at}: inner chunk {list(chunk)} is {nbytes} bytes, over the limit of {MAX_CHUNK_BYTES}")
+
+
 def grid_of(doc: Any, shape: tuple[int, ...], at: str) -> Grid:
     """An array's ``chunk_grid``: regular, or rectilinear with edges adding up to the shape."""
     if not isinstance(doc, dict) or doc.get("name") not in ("regular", "rectilinear") \
@@ -362,6 +426,15 @@ def grid_of(doc: Any, shape: tuple[int, ...], at: str) -> Grid:
     if doc["name"] == "regular":
         int_list(doc["configuration"].get("chunk_shape"), at, "chunk_grid.configuration.chunk_shape", minimum=1,
                  length=len(shape))
+    else:  # the edges a rectilinear grid spells, counted before they are expanded
+        specs = doc["configuration"].get("chunk_shapes")
+        for spec, n in zip(specs if isinstance(specs, list) else [], shape, strict=False):
+            count = (-(-n // spec) if is_int(spec) and spec >= 1 else
+                     sum(int(i[1]) if type(i) is list and len(i) == 2 and is_int(i[1]) else 1 for i in spec)
+                     if isinstance(spec, list) else 0)
+            if count > MAX_SHARDS:
+                raise FormatError(f"{at}: its rectilinear chunk grid spells {count} edges along one dimension, "
+                                  f"over the limit of {MAX_SHARDS} shards per tensor")
     try:
         grid = Grid.from_json(shape, doc)
     except FormatError as e:

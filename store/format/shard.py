@@ -18,7 +18,7 @@ import numpy as np
 from reshard.layouts.errors import ChecksumError, FormatError
 
 from ..io.storage import Storage
-from .encode import bytes_view, crc32c, one_chunk_index, zstd
+from .encode import bytes_view, crc32c, decompress, one_chunk_index
 from .meta import MISSING, ArrayMeta
 
 Region = tuple[slice, ...]
@@ -334,7 +334,7 @@ def _place(data: memoryview, r: ChunkRead, meta: ArrayMeta, dest: np.ndarray) ->
 
 def _decode_into(data: memoryview, r: ChunkRead, meta: ArrayMeta, dest: np.ndarray) -> None:
     try:
-        raw: Any = zstd().decode(data) if meta.compressor == "zstd" else data
+        raw: Any = decompress(data, meta.plain_chunk_nbytes - meta.crc_nbytes) if meta.compressor == "zstd" else data
         chunk = np.frombuffer(raw, dtype=meta.np_dtype.newbyteorder("<")).reshape(meta.chunk)
     except (ValueError, RuntimeError, TypeError) as e:  # zstd's errors; a size that is not the chunk's
         raise FormatError(f"tensor {meta.name!r}: chunk at byte {r.offset} of {r.key!r} does not decode to "

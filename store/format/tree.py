@@ -3,10 +3,17 @@
 Nested mappings and dotted names address the same tensor: ``{"a": {"b": x}}``
 and ``{"a.b": x}`` both give ``"a.b"``. Arrays (anything with ``__array__``,
 ``shape`` and ``dtype``) are tensors; everything else is a JSON leaf.
+
+Bytes-like leaves (``bytes``, ``bytearray``, ``io.BytesIO``, alone or inside a
+list or dict leaf) are stored as ``{"__reshard_bytes__": base64, "type": name}``
+and come back as the type that was saved (:func:`from_json`). Nothing is ever
+pickled: any other object is refused, naming the leaf.
 """
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -55,7 +62,7 @@ def _walk(node: Mapping[str, Any], prefix: str, tensors: dict[str, Any], leaves:
                 f"state dict key {key!r} under {prefix or 'the root'!r} is empty or not a string"
             )
         name = f"{prefix}.{key}" if prefix else key
-        if isinstance(value, Mapping):
+        if isinstance(value, Mapping) and not _is_bytes(value):
             _walk(value, name, tensors, leaves, tensor_names)
             continue
         if name in tensors or name in leaves:
@@ -66,16 +73,61 @@ def _walk(node: Mapping[str, Any], prefix: str, tensors: dict[str, Any], leaves:
             leaves[name] = to_json(value, name)
 
 
+#: The key of a stored bytes-like leaf, and the types it gives back.
+BYTES_TAG = "__reshard_bytes__"
+_BYTES_TYPES: dict[str, Callable[[bytes], Any]] = {"bytes": bytes, "bytearray": bytearray, "BytesIO": io.BytesIO}
+
+
 def to_json(value: Any, name: str) -> Any:
-    """A JSON-safe copy of a leaf (numpy scalars become Python numbers)."""
-    if isinstance(value, np.generic):
-        value = value.item()
-    if isinstance(value, tuple):
-        value = list(value)
+    """A JSON-safe copy of a leaf: numpy scalars become Python numbers, bytes-like values tagged base64.
+
+    Idempotent: a value this returned comes back unchanged.
+
+    Raises
+    ------
+    TypeError
+        For a value JSON cannot hold (naming the leaf and what to store instead).
+    """
+    value = _encode(value)
     try:
         json.dumps(value, allow_nan=True)
     except (TypeError, ValueError) as e:
-        raise TypeError(f"leaf {name!r} of type {type(value).__name__} is not JSON ({e})") from None
+        raise TypeError(
+            f"leaf {name!r} of type {type(value).__name__} is not JSON ({e}): store it as JSON values "
+            "(numbers, strings, lists, dicts), bytes or io.BytesIO, or an array; reshard never pickles") from None
+    return value
+
+
+def json_leaves(leaves: Mapping[str, Any]) -> dict[str, Any]:
+    """``{name: to_json(value)}``: leaves as they are stored (what every JSON document of a save holds)."""
+    return {name: to_json(value, name) for name, value in leaves.items()}
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, (bytes, bytearray, io.BytesIO)):
+        raw = value.getvalue() if isinstance(value, io.BytesIO) else bytes(value)
+        return {BYTES_TAG: base64.b64encode(raw).decode("ascii"), "type": type(value).__name__}
+    if isinstance(value, (list, tuple)):
+        return [_encode(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _encode(v) for k, v in value.items()}
+    return value
+
+
+def _is_bytes(value: Mapping[str, Any]) -> bool:
+    return set(value) == {BYTES_TAG, "type"} and value["type"] in _BYTES_TYPES and isinstance(value[BYTES_TAG], str)
+
+
+def from_json(value: Any) -> Any:
+    """A leaf as it was saved: the inverse of :func:`to_json` for bytes-like values (others unchanged)."""
+    if isinstance(value, list):
+        return [from_json(v) for v in value]
+    if isinstance(value, dict):
+        if _is_bytes(value):
+            return _BYTES_TYPES[value["type"]](base64.b64decode(value[BYTES_TAG], validate=True))
+        return {k: from_json(v) for k, v in value.items()}
     return value
 
 

@@ -7,37 +7,39 @@ with reshard's small protobuf wire codec:
   :mod:`reshard.store.frontends.mindspore_ckpt`, whose names are re-exported
   here (:func:`read_ckpt`, :func:`write_ckpt`, :func:`parse_ckpt`,
   :func:`ckpt_headers`).
+* per-rank safetensors files (MindSpore >= 2.4, ``format="safetensors"``):
+  the same module, by suffix (:func:`read_file`, :func:`file_headers`).
 * the strategy file (``node_strategy.proto`` or its JSON form, pipeline-merged
-  or not): parsed by :func:`reshard.layouts.parse_strategy`.
+  or not): parsed by :func:`reshard.layouts.parse_strategy`; finding the files:
+  :mod:`reshard.store.frontends.mindspore_files`.
 
-:func:`import_mindspore` turns ``rank_N/*.ckpt`` plus the training strategy into
-one checkpoint (N -> zarr, one rank file mapped at a time, replica ranks' data
-never read); :func:`export_mindspore` writes ``rank_M/checkpoint_M.ckpt`` for any
-target strategy (what ``transform_checkpoints`` does, for any N -> M, 64 -> 56
-included), each rank reading only its own region.
+:func:`import_mindspore` turns ``rank_N/*.ckpt`` (or ``*.safetensors``) plus the
+training strategy into one checkpoint (N -> zarr, one rank file mapped at a
+time, each block read once from whichever replica's file holds it);
+:func:`export_mindspore` writes ``rank_M/checkpoint_M.ckpt`` (or ``.safetensors``)
+for any target strategy (what ``transform_checkpoints`` does, for any N -> M,
+64 -> 56 included), each rank reading only its own region.
 
 Optimizer state: a tensor named ``<prefix><param>`` (``moments.``, ``adam_m.``,
 ``adam_v.``, ... see :data:`OPTIMIZER_PREFIXES`) that the strategy does not
 name itself uses ``<param>``'s entry, optimizer sharding included
-(``opt_weight_shard_size``; the shard step is implied by the layout). Tensors
-the strategy does not cover are whole copies on the ranks whose files hold them.
+(``opt_weight_shard_size``; the shard step is implied by the layout);
+``accu_grads.<param>`` uses it without the optimizer sharding (docs/mindspore.md,
+"Optimizer state"). Tensors the strategy does not cover are whole copies on the
+ranks whose files hold them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from reshard.layouts import OPTIMIZER_PREFIXES, Layout, layout_for, parse_strategy, strategy_layouts
-from reshard.layouts import _protowire as pw
 from reshard.layouts.errors import (
-    CheckpointNotFoundError,
     DTypeMismatchError,
     FormatError,
     LayoutError,
@@ -49,96 +51,20 @@ from ..format.tree import flatten
 from ..read.checkpoint import Checkpoint
 from ..read.open import open
 from ..write.writer import create, single_process
-from .mindspore_ckpt import SLICE_BYTES, TYPES, Header, ckpt_headers, parse_ckpt, read_ckpt, write_ckpt
+from .mindspore_ckpt import (
+    SLICE_BYTES,
+    TYPES,
+    Header,
+    ckpt_headers,
+    file_headers,
+    parse_ckpt,
+    read_ckpt,
+    read_file,
+    write_ckpt,
+    write_file,
+)
+from .mindspore_files import StrategyLike, infer_shapes, latest_file, load_strategy, rank_files
 from .sources import refuse_empty
-
-# ------------------------------------------------------------ strategies
-StrategyLike = str | os.PathLike[str] | bytes | Mapping[str, Any] | None
-
-
-def load_strategy(strategy: StrategyLike, shapes: Mapping[str, Sequence[int]] | None = None) -> dict[str, Layout]:
-    """``{param: Layout}`` of a strategy file path, its bytes, its parsed JSON, or layouts already.
-
-    ``None`` gives ``{}`` (every tensor a whole copy).
-    """
-    if strategy is None:
-        return {}
-    if isinstance(strategy, Mapping) and all(isinstance(v, Layout) for v in strategy.values()):
-        return dict(strategy)
-    if isinstance(strategy, (str, os.PathLike)):
-        strategy = Path(strategy).read_bytes()
-    return parse_strategy(strategy, shapes)
-
-
-def _raw_entries(data: bytes) -> dict[str, tuple[list[int], list[int], int]]:
-    """``{key: (dev_matrix, tensor_map, opt_weight_shard_size)}`` of a protobuf strategy."""
-    out = {}
-    for wire, item in pw.fields(data).get(3, []):
-        if wire != pw.LEN or isinstance(item, int):
-            continue
-        f = pw.fields(item)
-        lay = pw.fields(f[2][-1][1]) if 2 in f and not isinstance(f[2][-1][1], int) else {}
-        dims = [pw.ints(pw.fields(v).get(1, []), signed) for signed, n in ((False, 1), (True, 2))
-                for _, v in lay.get(n, [])[:1] if not isinstance(v, int)]
-        opt = pw.ints(lay.get(7, []))
-        if len(dims) == 2:
-            out[pw.text(f.get(1, []), "param_name")] = (dims[0], dims[1], opt[-1] if opt else 0)
-    return out
-
-
-def _infer_shapes(data: bytes, headers: Mapping[int, Mapping[str, Header]]) -> dict[str, list[int]]:
-    """Global shapes for a protobuf strategy that holds none: local shape x split counts.
-
-    The local shape comes from the stage's first rank file holding the tensor
-    (with optimizer sharding, dim 0 is also multiplied by the shard size).
-    Entries no file holds get a placeholder shape that any split divides.
-    """
-    shapes = {}
-    for key, (dev, tmap, opt) in _raw_entries(data).items():
-        m = re.match(r"^(\d+)-(.+)$", key)
-        stage, name = (int(m.group(1)), m.group(2)) if m else (0, key)
-        first = stage * math.prod(dev)
-        local = next((h[name][0] for r, h in sorted(headers.items())
-                      if r >= first and name in h and len(h[name][0]) == len(tmap)), (1,) * len(tmap))
-        shape = [n * (dev[len(dev) - 1 - t] if t >= 0 else 1) for n, t in zip(local, tmap, strict=True)]
-        if opt > 0 and shape:
-            shape[0] *= opt
-        shapes[key] = shape
-    return shapes
-
-
-# ------------------------------------------------------------ rank files
-def rank_files(src: str | os.PathLike[str] | Mapping[int, Any], file_name: str | None = None) -> dict[int, Path]:
-    """``{rank: .ckpt path}`` found in ``src/rank_N/`` folders.
-
-    Parameters
-    ----------
-    src : path or mapping
-        The folder holding ``rank_0``, ``rank_1``..., or ``{rank: path}`` already.
-    file_name : str, optional
-        File name or glob inside each folder; ``{rank}`` is replaced by the
-        rank. Needed when a folder holds several ``.ckpt`` files.
-    """
-    if isinstance(src, Mapping):
-        return {int(r): Path(p) for r, p in src.items()}
-    root = Path(src)
-    if not root.is_dir():
-        raise CheckpointNotFoundError(f"MindSpore checkpoint folder {root.absolute()} does not exist")
-    out = {}
-    for folder in sorted(root.iterdir()):
-        m = re.fullmatch(r"rank_(\d+)", folder.name)
-        if not m or not folder.is_dir():
-            continue
-        rank = int(m.group(1))
-        found = sorted(folder.glob((file_name or "*.ckpt").replace("{rank}", str(rank))))
-        if len(found) > 1:
-            raise FormatError(f"{folder} holds several checkpoints {[p.name for p in found]}; pass file_name=")
-        if found:
-            out[rank] = found[0]
-    if not out:
-        raise CheckpointNotFoundError(f"no rank_N/{file_name or '*.ckpt'} files under {root.absolute()}: "
-                                      "no tensors to import")
-    return out
 
 
 # ------------------------------------------------------------ import
@@ -192,7 +118,8 @@ def import_mindspore(src_dir: str | os.PathLike[str] | Mapping[int, Any], dst_ur
     Parameters
     ----------
     src_dir : path or mapping
-        Folder of ``rank_N/*.ckpt`` files, or ``{rank: path}``.
+        Folder of ``rank_N/*.ckpt`` (or ``*.safetensors``) files, a
+        single-device folder or file, or ``{rank: path}``; see :func:`rank_files`.
     dst_url : str
         Where the checkpoint goes (local path or fsspec URL).
     strategy : path, bytes, dict, {name: Layout} or None
@@ -218,19 +145,20 @@ def import_mindspore(src_dir: str | os.PathLike[str] | Mapping[int, Any], dst_ur
     -----
     Every file's headers are scanned first (nothing is written if anything
     disagrees); then the ranks are written one at a time, each file memory
-    mapped while its rank writes. Only ranks that hold some block as replica 0
-    have their tensor data read; a replica rank's file may even be missing
-    (``remove_redundancy`` saves).
+    mapped while its rank writes. Each block is read once, from the first
+    replica (in replica order) whose file holds the tensor: with
+    ``remove_redundancy=True`` MindSpore saves each block in one replica's file
+    only, and any replica's file may lack it or be missing.
     """
     files = rank_files(src_dir, file_name)
-    headers = {r: ckpt_headers(p) for r, p in sorted(files.items())}
+    headers = {r: file_headers(p) for r, p in sorted(files.items())}
     try:
         layouts = load_strategy(strategy, shapes)
     except FormatError as e:
         if "shape" not in str(e) or not isinstance(strategy, (str, os.PathLike, bytes)):
             raise
         data = Path(strategy).read_bytes() if not isinstance(strategy, bytes) else strategy
-        layouts = parse_strategy(data, {**_infer_shapes(data, headers), **(shapes or {})})
+        layouts = parse_strategy(data, {**infer_shapes(data, headers), **(shapes or {})})
     holders: dict[str, dict[int, Header]] = {}
     for rank, h in headers.items():
         for tag, head in h.items():
@@ -238,41 +166,67 @@ def import_mindspore(src_dir: str | os.PathLike[str] | Mapping[int, Any], dst_ur
                 holders.setdefault(tag, {})[rank] = head
     chosen: dict[str, Layout] = {}
     dtypes: dict[str, str] = {}
+    donors: dict[str, dict[int, int]] = {}
     for name, held in holders.items():
         kinds = {h[1] for h in held.values()}
         if len(kinds) != 1:
             raise DTypeMismatchError(f"{name!r} has dtypes { {r: h[1] for r, h in held.items()} } across ranks")
         dtypes[name] = kinds.pop()
         chosen[name] = _choose(name, layout_for(name, layouts, prefixes), held)
-        lay = chosen[name]
-        lost = [r for r in lay.ranks if r not in held and lay.replica_id(r) == 0 and math.prod(lay.local_shape(r))]
-        if lost:
-            raise FormatError(f"{name!r}: ranks {lost} hold its blocks as replica 0 (no other copy) "
-                              f"but their files do not hold it (under {src_dir})")
+        donors[name] = _donors(name, chosen[name], held, src_dir)
     refuse_empty("MindSpore", src_dir if isinstance(src_dir, Mapping) else Path(src_dir).absolute(), len(chosen),
                  f" ({len(files)} rank files found)")
     writer = create(dst_url, chosen, **single_process(options))
     for rank in sorted(set().union(*(lay.ranks for lay in chosen.values()), files)):
-        _import_rank(writer, rank, files.get(rank), headers.get(rank, {}), chosen, dtypes, check_crc)
+        _import_rank(writer, rank, files, headers.get(rank, {}), chosen, dtypes, donors, check_crc)
     writer.commit()
     return open(dst_url, storage_options=options.get("storage_options"))
 
 
-def _import_rank(writer: Any, rank: int, path: Path | None, header: Mapping[str, Header],
-                 chosen: Mapping[str, Layout], dtypes: Mapping[str, str], check_crc: bool) -> None:
-    needed = [n for n, lay in chosen.items()
-              if rank in lay.ranks and lay.replica_id(rank) == 0 and math.prod(lay.local_shape(rank))]
+def _donors(name: str, lay: Layout, held: Mapping[int, Header], src_dir: Any) -> dict[int, int]:
+    """``{writing rank: rank whose file holds its block}`` for every block of ``name``.
+
+    A block is written by its replica 0; with ``remove_redundancy=True``
+    MindSpore spreads the blocks over the replicas, so the copy may be in any
+    replica's file: the first (in replica order) whose file holds the tensor.
+    """
+    out: dict[int, int] = {}
+    lost = []
+    for block in lay.blocks():
+        donor = next((r for r in block.ranks if r in held), None)
+        if donor is None:
+            lost.append(list(block.ranks))
+        else:
+            out[block.ranks[0]] = donor
+    if lost:
+        raise FormatError(f"{name!r}: no file of the replicas {lost[0]} holds its block "
+                          f"{[(s.start, s.stop) for s in lay.region(lost[0][0])]}"
+                          + (f" ({len(lost)} blocks lost)" if len(lost) > 1 else "") + f" (under {src_dir})")
+    return out
+
+
+def _import_rank(writer: Any, rank: int, files: Mapping[int, Path], header: Mapping[str, Header],
+                 chosen: Mapping[str, Layout], dtypes: Mapping[str, str], donors: Mapping[str, Mapping[int, int]],
+                 check_crc: bool) -> None:
+    needed = {n: donors[n][rank] for n, lay in chosen.items()
+              if rank in lay.ranks and lay.replica_id(rank) == 0 and rank in donors[n]}
     strings = [t for t, h in header.items() if h[1] == "str"]
-    values = read_ckpt(path, check_crc=check_crc) if path is not None and (needed or strings) else {}
-    state: dict[str, Any] = {t: str(values[t]) for t in strings}
+    opened: dict[int, dict[str, Any]] = {}
+
+    def values(r: int) -> dict[str, Any]:  # this rank's file, and a replica's when it holds the copy
+        if r not in opened:
+            opened[r] = read_file(files[r], check_crc=check_crc) if r in files else {}
+        return opened[r]
+
+    state: dict[str, Any] = {t: str(values(rank)[t]) for t in strings}
     for name, lay in chosen.items():
         if rank not in lay.ranks:
             continue
         if name in needed:
-            if name not in values:
-                raise FormatError(f"{name!r}: rank {rank} holds its block as replica 0 but "
-                                  f"{path or f'rank_{rank}'} does not hold it")
-            state[name] = values[name]
+            got = values(needed[name]).get(name)
+            if got is None:
+                raise FormatError(f"{name!r}: {files.get(needed[name], f'rank_{needed[name]}')} does not hold it")
+            state[name] = got
         else:
             state[name] = _placeholder(lay.local_shape(rank), dtypes[name])
     writer.write(rank, state)
@@ -281,7 +235,7 @@ def _import_rank(writer: Any, rank: int, path: Path | None, header: Mapping[str,
 # ------------------------------------------------------------ export
 def export_mindspore(src_url: str | Checkpoint, dst_dir: str | os.PathLike[str], strategy: StrategyLike = None,
                      *, ranks: Iterable[int] | None = None, shapes: Mapping[str, Sequence[int]] | None = None,
-                     file_name: str = "checkpoint_{rank}.ckpt", crc: bool = False,
+                     file_name: str | None = None, format: str = "ckpt", crc: bool = False,
                      prefixes: Sequence[str] = OPTIMIZER_PREFIXES,
                      storage_options: dict[str, Any] | None = None) -> dict[int, Path]:
     """Write ``dst_dir/rank_M/checkpoint_M.ckpt`` for a target strategy, from a reshard checkpoint.
@@ -300,10 +254,15 @@ def export_mindspore(src_url: str | Checkpoint, dst_dir: str | os.PathLike[str],
         Write only these ranks' files (default: every rank of the strategy).
     shapes : mapping, optional
         Global shapes for a protobuf strategy (default: the checkpoint's).
-    file_name : str
-        File name in each folder; ``{rank}`` is replaced by the rank.
+    file_name : str, optional
+        File name in each folder; ``{rank}`` is replaced by the rank (default
+        ``checkpoint_{rank}.ckpt``, or ``.safetensors``).
+    format : {"ckpt", "safetensors"}
+        ``.ckpt`` files (``checkpoint.proto``), or safetensors files as
+        MindSpore >= 2.4 writes them (``{"format": "ms"}`` metadata; ``str``
+        leaves go into the metadata).
     crc : bool
-        Append MindSpore's ``crc_num`` trailer.
+        Append MindSpore's ``crc_num`` trailer (``.ckpt`` only).
     prefixes : sequence of str
         Optimizer-state prefixes.
     storage_options : dict, optional
@@ -320,6 +279,9 @@ def export_mindspore(src_url: str | Checkpoint, dst_dir: str | os.PathLike[str],
     memory at a time). Non-tensor leaves become 0-d tensors (int -> Int64,
     float -> Float32, bool -> Bool) or ``str`` values; others are skipped.
     """
+    if format not in ("ckpt", "safetensors"):
+        raise ValueError(f"format {format!r} must be 'ckpt' or 'safetensors'")
+    file_name = file_name or f"checkpoint_{{rank}}.{format}"
     ckpt = src_url if isinstance(src_url, Checkpoint) else open(src_url, storage_options=storage_options)
     given = dict(shapes or {})
     given.update({n: m.shape for n, m in ckpt.arrays.items() if n not in given})
@@ -337,7 +299,9 @@ def export_mindspore(src_url: str | Checkpoint, dst_dir: str | os.PathLike[str],
                              ckpt.arrays)
         values = {**tensors, **{n: v for n, v in leaves.items() if v is not None}}
         path = Path(dst_dir) / f"rank_{rank}" / file_name.replace("{rank}", str(rank))
-        write_ckpt(path, values, crc=crc)
+        if format == "safetensors":
+            path = path.with_suffix(".safetensors") if path.suffix == ".ckpt" else path
+        write_file(path, values, crc=crc)
         written[rank] = path
     return written
 
@@ -355,5 +319,5 @@ def _leaf(value: Any) -> Any:
 
 
 __all__ = ["OPTIMIZER_PREFIXES", "SLICE_BYTES", "TYPES", "Header", "StrategyLike", "ckpt_headers",
-           "export_mindspore", "import_mindspore", "layout_for", "load_strategy", "parse_ckpt", "rank_files",
-           "read_ckpt", "write_ckpt"]
+           "export_mindspore", "file_headers", "import_mindspore", "latest_file", "layout_for", "load_strategy",
+           "parse_ckpt", "rank_files", "read_ckpt", "read_file", "write_ckpt", "write_file"]

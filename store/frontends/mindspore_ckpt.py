@@ -15,6 +15,12 @@ optional trailer ``b"crc_num"`` + a 10-byte big-endian crc32 of everything
 before it may end the file. Files are memory-mapped and decoded zero-copy;
 nothing is ever unpickled. Map tensors (``MapParameter``) are skipped with a
 warning.
+
+MindSpore >= 2.4 also writes per-rank safetensors files
+(``save_checkpoint(..., format="safetensors")``,
+``transform_checkpoints(..., output_format="safetensors")``): a standard
+safetensors file with ``{"format": "ms"}`` metadata. :func:`file_headers`,
+:func:`read_file` and :func:`write_file` handle either kind by the file's suffix.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from reshard.layouts import _protowire as pw
 from reshard.layouts.errors import ChecksumError, DTypeMismatchError, FormatError, ShapeMismatchError
 
 from ..format.dtypes import dtype_name, numpy_dtype
+from ..read.export import SAFETENSORS_DTYPES
+from .safetensors import read_header
 
 #: MindSpore ``tensor_type`` -> reshard dtype name.
 TYPES = {
@@ -226,5 +234,72 @@ def _pieces(tag: str, value: Any, slice_bytes: int) -> Iterable[tuple[bytes, mem
         yield _header(tag, dims, _MS_TYPES[name], len(content)), content
 
 
-__all__ = ["SLICE_BYTES", "TYPES", "Header", "ckpt_headers", "parse_ckpt", "read_ckpt",
-           "write_ckpt"]
+# ------------------------------------------------------------ safetensors files (MindSpore >= 2.4)
+SUFFIXES = (".ckpt", ".safetensors")
+#: The ``__metadata__`` MindSpore writes in its safetensors files.
+MS_METADATA = {"format": "ms"}
+
+
+def is_safetensors(path: str | os.PathLike[str]) -> bool:
+    """Whether a rank file is a safetensors file (by its suffix), not a ``.ckpt``."""
+    return str(path).endswith(".safetensors")
+
+
+def file_headers(path: str | os.PathLike[str]) -> dict[str, Header]:
+    """``{name: (shape, dtype name)}`` of a ``.ckpt`` or ``.safetensors`` rank file, headers only."""
+    if not is_safetensors(path):
+        return ckpt_headers(path)
+    return {e.name: (e.shape, e.dtype) for e in read_header(path).entries}
+
+
+def read_file(path: str | os.PathLike[str], *, check_crc: bool = True) -> dict[str, Any]:
+    """Every value of a ``.ckpt`` or ``.safetensors`` rank file (memory-mapped, read-only arrays)."""
+    if not is_safetensors(path):
+        return read_ckpt(path, check_crc=check_crc)
+    data = _map(path)
+    out: dict[str, Any] = {}
+    for e in read_header(path).entries:
+        out[e.name] = np.frombuffer(data[e.start:e.start + e.nbytes], numpy_dtype(e.dtype)).reshape(e.shape)
+    return out
+
+
+def write_safetensors(path: str | os.PathLike[str], values: Mapping[str, Any],
+                      metadata: Mapping[str, str] | None = None) -> int:
+    """Write ``{name: array}`` as one safetensors file, as MindSpore's ``format="safetensors"`` does.
+
+    ``str`` values have no safetensors form and go into ``__metadata__``.
+    Returns the bytes written.
+    """
+    import json
+
+    arrays = {k: np.asarray(v) for k, v in values.items() if not isinstance(v, str)}
+    meta = {**MS_METADATA, **(metadata or {}), **{k: v for k, v in values.items() if isinstance(v, str)}}
+    doc: dict[str, Any] = {"__metadata__": meta}
+    pos = 0
+    for name, arr in arrays.items():
+        dname = dtype_name(arr.dtype)
+        if dname not in SAFETENSORS_DTYPES:
+            raise DTypeMismatchError(f"{name!r}: dtype {dname} has no safetensors dtype")
+        doc[name] = {"dtype": SAFETENSORS_DTYPES[dname], "shape": list(arr.shape),
+                     "data_offsets": [pos, pos + arr.nbytes]}
+        pos += arr.nbytes
+    head = json.dumps(doc, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with builtins.open(path, "wb") as f:
+        f.write(len(head).to_bytes(8, "little") + head)
+        for arr in arrays.values():
+            f.write(np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data)
+    return 8 + len(head) + pos
+
+
+def write_file(path: str | os.PathLike[str], values: Mapping[str, Any], *, crc: bool = False) -> int:
+    """:func:`write_safetensors` for a ``.safetensors`` path, else :func:`write_ckpt`."""
+    if is_safetensors(path):
+        return write_safetensors(path, values)
+    return write_ckpt(path, values, crc=crc)
+
+
+__all__ = ["MS_METADATA", "SLICE_BYTES", "SUFFIXES", "TYPES", "Header", "ckpt_headers", "file_headers",
+           "is_safetensors", "parse_ckpt", "read_ckpt", "read_file", "write_ckpt", "write_file",
+           "write_safetensors"]

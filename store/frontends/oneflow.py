@@ -14,9 +14,12 @@ placement's blocks, and can be loaded back onto any other placement and SBP.
   each rank of the placement writes its local pieces (no communication).
 * :func:`load_oneflow` is ``to_global(flow.load(dir), placement, sbp)`` followed
   by ``to_local`` on any placement and SBP: each rank reads only its own region.
+* :func:`load_flow_save` (from :mod:`.oneflow_save`): OneFlow's own
+  ``flow.save`` folders (``pickled_data`` + ``tensor_N/meta`` + ``tensor_N/out``),
+  read without OneFlow and without unpickling; :func:`load_local` reads one
+  rank's folder of either kind.
 * :func:`save_npz` / :func:`load_npz` (from :mod:`.oneflow_npz`): one rank's
-  local state dict as a folder of plain ``.npz`` + JSON, the input of
-  ``reshard import oneflow``.
+  local state dict as a folder of plain ``.npz`` + JSON.
 
 ``sbp`` is one SBP for every tensor, a tuple for an N-d placement, or a
 callback ``(state_dict, tensor) -> sbp`` as in OneFlow (compare tensors with
@@ -31,8 +34,9 @@ The stored dotted name is ``module_pipeline.m_stage3.linear.weight``; the key
 path is recorded too (``origin["path"]`` of the layout) so that
 :func:`load_oneflow` gives back the same nesting.
 
-OneFlow's own ``flow.save`` files are pickles: reshard never reads them
-(unpickling runs code). Pass numpy arrays, or write :func:`save_npz` folders.
+OneFlow's ``flow.save`` keeps a folder's structure in a pickle
+(``pickled_data``): reshard never unpickles it (that runs code) but decodes the
+state-dict subset of its opcodes statically, and refuses anything else, naming it.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from ..read.checkpoint import Checkpoint
 from ..read.open import open
 from ..write.writer import CheckpointWriter, create, single_process
 from .oneflow_npz import KeyPath, key_str, load_npz, save_npz, walk
+from .oneflow_save import is_flow_save, load_flow_save
 
 SbpLike = Any  # an SBP, a tuple of them, or a callback (state_dict, tensor) -> SBP
 
@@ -65,6 +70,21 @@ class sbp:  # spelled like flow.sbp on purpose
     def split(dim: int) -> str:
         """Split tensor dim ``dim`` across a placement axis."""
         return f"split({int(dim)})"
+
+
+def load_local(src: Any, *, headers_only: bool = False) -> dict[str, Any]:
+    """One rank's local state dict from a ``flow.save`` folder or a :func:`save_npz` folder / ``.npz`` file.
+
+    Parameters
+    ----------
+    src : str or Path
+        The folder (or ``.npz`` file).
+    headers_only : bool
+        Tensors become zero-memory stand-ins of the right shape and dtype.
+    """
+    if is_flow_save(src):
+        return load_flow_save(src, headers_only=headers_only)
+    return load_npz(src, headers_only=headers_only)
 
 
 def placement_ranks(ranks: Any) -> list[int]:
@@ -362,5 +382,5 @@ def load_oneflow(src: str | Checkpoint, rank: int, ranks: Any, spec: SbpLike, *,
     return unflatten({**ckpt.leaves, **pieces}, paths)
 
 
-__all__ = ["global_shapes", "load_npz", "load_oneflow", "placement_layouts", "placement_ranks", "save_npz",
-           "save_oneflow", "sbp", "tensor_paths", "to_global", "to_local", "walk"]
+__all__ = ["global_shapes", "load_flow_save", "load_local", "load_npz", "load_oneflow", "placement_layouts",
+           "placement_ranks", "save_npz", "save_oneflow", "sbp", "tensor_paths", "to_global", "to_local", "walk"]

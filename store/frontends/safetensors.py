@@ -16,8 +16,15 @@ handle both forms:
 * :func:`import_safetensors`: a ``.safetensors`` file, an index file, or a
   folder holding either -> a checkpoint (each tensor whole on rank 0 unless
   ``layouts`` says otherwise).
-* :func:`export_safetensors`: a checkpoint -> a folder with ``model.safetensors``
-  (everything fits in ``max_shard_size``) or the numbered shards and their index.
+* :func:`export_safetensors` (in :mod:`.hf_export`): a checkpoint -> a folder with
+  ``model.safetensors`` (everything fits in ``max_shard_size``) or the numbered shards
+  and their index.
+
+A folder's other files (``config.json``, tokenizer files...) travel with the
+checkpoint (:mod:`.hf_folder`). Files that torch's ``HuggingFaceStorageWriter``
+wrote per rank (``DCP_SHARDING_INFO`` in ``__metadata__``: each tensor's offsets
+in the whole) are imported as the pieces they are: a folder of them gives
+whole tensors; one such file alone is refused.
 """
 
 from __future__ import annotations
@@ -26,39 +33,34 @@ import itertools
 import json
 import math
 import os
-import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from reshard.layouts import Layout
-from reshard.layouts.errors import BadNameError, CheckpointNotFoundError, DTypeMismatchError, FormatError
+from reshard.layouts.errors import CheckpointNotFoundError, DTypeMismatchError, FormatError
 
 from ..format.dtypes import numpy_dtype
 from ..format.tree import LayoutSpec, resolve_layout
 from ..read.checkpoint import Checkpoint
-from ..read.export import SAFETENSORS_DTYPES
+from ..read.export import FILES_LEAF, METADATA_LEAF, SAFETENSORS_DTYPES
 from ..read.open import open as open_checkpoint
 from ..write.writer import create, single_process
+from .hf_export import DEFAULT_SHARD_SIZE, export_safetensors, parse_size, plan_shards
+from .hf_folder import INDEX_NAME, collect_files
 from .sources import refuse_empty
 
 if TYPE_CHECKING:
-    from ..io.stats import IOStats
+    pass
 
 #: safetensors dtype -> stored dtype name.
 DTYPES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
-#: The index file of a sharded folder, and its shards' names.
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
-SHARD_NAME = "model-{k:05d}-of-{n:05d}.safetensors"
 #: The safetensors format refuses headers over 100 MB.
 MAX_HEADER = 100_000_000
-#: Default shard size of :func:`export_safetensors`, as ``transformers`` (``save_pretrained``).
-DEFAULT_SHARD_SIZE = "5GB"
-#: Leaf holding a file's ``__metadata__`` (other than reshard's own entries) after an import.
-METADATA_LEAF = "__metadata__"
+#: ``__metadata__`` entry of torch's ``HuggingFaceStorageWriter``: ``{name: {"saved_offsets": [...]}}``.
+DCP_SHARDING_KEY = "DCP_SHARDING_INFO"
 
 
 @dataclass(frozen=True)
@@ -186,11 +188,13 @@ def source_files(src: str | os.PathLike[str],
             return source_files(f"{base}/{INDEX_NAME if INDEX_NAME in indexes else indexes[0]}", storage_options)
         if indexes:
             raise FormatError(f"{src} holds several index files {indexes}; name one")
-        files = [n for n in names if n.endswith(".safetensors")]
+        files = [f"{base}/{n}" for n in names if n.endswith(".safetensors")]
+        if len(files) > 1 and all(DCP_SHARDING_KEY in read_header(f, storage_options).metadata for f in files):
+            return files, None  # torch's HuggingFaceStorageWriter, one file per rank
         if len(files) != 1:
             raise FormatError(f"{src} holds {len(files)} .safetensors files and no {INDEX_NAME}: "
                               + ("name the file" if files else "nothing to import"))
-        return [f"{base}/{files[0]}"], None
+        return files, None
     if base.endswith(".json"):
         with fs.open(fpath, "rb") as f:
             try:
@@ -206,6 +210,9 @@ def source_files(src: str | os.PathLike[str],
             if "/" in name or name in ("", ".", ".."):
                 raise FormatError(f"{src}: weight_map names a file outside its folder: {name!r}")
         return [f"{folder}/{n}" for n in files], dict(weight_map)
+    if DCP_SHARDING_KEY in read_header(base, storage_options).metadata:
+        raise FormatError(f"{src} is one rank's file of a per-rank save ({DCP_SHARDING_KEY}: its tensors are pieces "
+                          "at offsets in the whole): import the folder that holds every rank's file")
     return [base], None
 
 
@@ -249,40 +256,114 @@ def import_safetensors(src: str | os.PathLike[str], dst_url: str, *, layouts: La
     """
     files, weight_map = source_files(src, src_storage_options)
     headers = [read_header(f, src_storage_options) for f in files]  # every header is checked before writing
-    where: dict[str, tuple[Header, Entry]] = {}
-    for header in headers:
-        for e in header.entries:
-            if e.name in where:
-                raise FormatError(f"tensor {e.name!r} is in both {where[e.name][0].path} and {header.path}")
-            where[e.name] = (header, e)
+    pieces = _pieces(str(src), headers)
     if weight_map is not None:
         for name, file in weight_map.items():
-            held = where.get(name)
-            if held is None or PurePosixPath(held[0].path).name != file:
+            held = pieces.get(name)
+            if held is None or PurePosixPath(held[0].header.path).name != file:
                 raise FormatError(f"{src}: the index puts tensor {name!r} in {file}, which does not hold it")
-    refuse_empty("safetensors", src, len(where))
+    refuse_empty("safetensors", src, len(pieces))
     leaves, extra = _leaves(headers)
     if extra:
         leaves[METADATA_LEAF] = extra
+    fs, fpath = _fs(str(src), src_storage_options)
+    if fs.isdir(fpath) or weight_map is not None:
+        folder = str(src).rstrip("/") if fs.isdir(fpath) else str(src).rstrip("/").rsplit("/", 1)[0]
+        kept = collect_files(folder, *_fs(folder, src_storage_options))
+        if kept:
+            leaves[FILES_LEAF] = kept
+    shapes = {n: _whole_shape(ps) for n, ps in pieces.items()}
+    split = [n for n, ps in pieces.items() if len(ps) > 1]
+    if split and layouts is not None:
+        raise ValueError(f"{src} holds tensors in pieces ({split[0]!r}...): import it as saved, then redivide")
     rule = layouts if layouts is not None else (lambda n, s: Layout.single(s))
-    chosen = {n: resolve_layout(rule, n, e.shape) for n, (_, e) in where.items()}
+    chosen = {n: Layout.from_blocks(shapes[n], [(i, p.offsets, p.entry.shape, 0) for i, p in enumerate(ps)])
+              if len(ps) > 1 else resolve_layout(rule, n, shapes[n]) for n, ps in pieces.items()}
     writer = create(dst_url, chosen, **single_process(options))
-    metas = {n: writer.meta(n, chosen[n], e.dtype, single_writer=True) for n, (_, e) in where.items()}
+    metas = {n: writer.meta(n, chosen[n], ps[0].entry.dtype, single_writer=True) for n, ps in pieces.items()}
     from ..read.graph.schedule import progress_bar
 
-    with progress_bar(sum(e.nbytes for _, e in where.values()), "import safetensors", progress, unit="B") as bar:
+    offsets = {(p.header.path, p.entry.name): p.offsets for ps in pieces.values() for p in ps}
+    with progress_bar(sum(m.nbytes for m in metas.values()), "import safetensors", progress, unit="B") as bar:
         for header in headers:
             fs, fpath = _fs(header.path, src_storage_options)
             with fs.open(fpath, "rb") as f:
                 for e in header.entries:  # in file order: sequential reads
                     data = read_tensor(f, e, header.path)
-                    writer.write_block(metas[e.name], tuple(slice(0, n) for n in e.shape), data)
+                    at = offsets[header.path, e.name]
+                    writer.write_block(metas[e.name], tuple(slice(o, o + n) for o, n in zip(at, e.shape, strict=True)),
+                                       data)
                     del data
                     if bar is not None:
                         bar.update(e.nbytes)
     writer.write_manifests(metas, leaves)
     writer.commit()
     return open_checkpoint(dst_url, storage_options=options.get("storage_options"))
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One stored piece of a tensor: its entry, its file's header and where it sits in the whole."""
+
+    header: Header
+    entry: Entry
+    offsets: tuple[int, ...]
+
+
+def _pieces(src: str, headers: list[Header]) -> dict[str, list[Piece]]:
+    """Every tensor's pieces: one per tensor, or one per file for torch's per-rank files (``DCP_SHARDING_INFO``).
+
+    Raises
+    ------
+    FormatError
+        A tensor in two files without sharding information, pieces of one
+        tensor that overlap, leave parts of it out (a lone rank file) or
+        disagree on the dtype.
+    """
+    pieces: dict[str, list[Piece]] = {}
+    for h in headers:
+        info = _sharding(h)
+        for e in h.entries:
+            offsets = info.get(e.name, (0,) * len(e.shape)) if info is not None else (0,) * len(e.shape)
+            if len(offsets) != len(e.shape):
+                raise FormatError(f"{h.path}: {DCP_SHARDING_KEY} gives tensor {e.name!r} offsets {list(offsets)} "
+                                  f"for a {len(e.shape)}-d piece")
+            held = pieces.setdefault(e.name, [])
+            if held and (info is None or _sharding(held[0].header) is None):
+                raise FormatError(f"tensor {e.name!r} is in both {held[0].header.path} and {h.path}")
+            if held and held[0].entry.dtype != e.dtype:
+                raise FormatError(f"tensor {e.name!r} is {held[0].entry.dtype} in {held[0].header.path} "
+                                  f"and {e.dtype} in {h.path}")
+            held.append(Piece(h, e, offsets))
+    for name, ps in pieces.items():
+        shape = _whole_shape(ps)
+        boxes = [tuple(zip(p.offsets, p.entry.shape, strict=True)) for p in ps]
+        covered = sum(math.prod(p.entry.shape) for p in ps)
+        overlap = any(all(a0 < b0 + bn and b0 < a0 + an for (a0, an), (b0, bn) in zip(a, b, strict=True))
+                      for i, a in enumerate(boxes) for b in boxes[i + 1:])
+        if overlap or covered != math.prod(shape):
+            raise FormatError(
+                f"{src}: tensor {name!r}: the pieces in {sorted({p.header.path for p in ps})} "
+                + ("overlap" if overlap else f"hold {covered} of its {math.prod(shape)} elements")
+                + f" ({DCP_SHARDING_KEY}: files of a per-rank save; import the folder that holds every rank's file)")
+    return pieces
+
+
+def _sharding(header: Header) -> dict[str, tuple[int, ...]] | None:
+    raw = header.metadata.get(DCP_SHARDING_KEY)
+    if raw is None:
+        return None
+    try:
+        doc = json.loads(raw)
+        return {n: tuple(int(o) for o in v["saved_offsets"]) for n, v in doc.items()}
+    except (ValueError, TypeError, KeyError, AttributeError):
+        raise FormatError(f"{header.path}: __metadata__ {DCP_SHARDING_KEY} is not "
+                          "{name: {saved_offsets: [int...]}}") from None
+
+
+def _whole_shape(pieces: list[Piece]) -> tuple[int, ...]:
+    return tuple(max(o + n for o, n in dims) for dims in zip(*(zip(p.offsets, p.entry.shape, strict=True)
+                                                               for p in pieces), strict=True))
 
 
 def _leaves(headers: list[Header]) -> tuple[dict[str, Any], dict[str, str]]:
@@ -296,113 +377,12 @@ def _leaves(headers: list[Header]) -> tuple[dict[str, Any], dict[str, str]]:
                     leaves.update(json.loads(value))
                 except ValueError:
                     raise FormatError(f"{h.path}: __metadata__ reshard.leaves is not JSON") from None
-            elif key != "format" or value != "pt":
+            elif key not in ("format", DCP_SHARDING_KEY, "DCP_VERSION"):  # per file (every export writes "pt")
                 extra.setdefault(key, value)
     return leaves, extra
 
 
-# ------------------------------------------------------------------ writing
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size(size: int | str) -> int:
-    """``"5GB"`` -> 5_000_000_000, ``"500MiB"`` -> 524_288_000, an int as is (``transformers``' units)."""
-    if isinstance(size, int) and not isinstance(size, bool):
-        value = size
-    else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(size).upper())
-        if not m:
-            raise ValueError(f"size {size!r}: use bytes or a number with KB, MB, GB, KiB, MiB, GiB...")
-        value = int(float(m.group(1)) * _UNITS[m.group(2)])
-    if value <= 0:
-        raise ValueError(f"size {size!r} must be positive")
-    return value
-
-
-def plan_shards(sizes: Iterable[tuple[str, int]], max_bytes: int) -> list[list[str]]:
-    """Cut tensors, in order, into shards of at most ``max_bytes`` (a larger tensor is a shard alone)."""
-    shards: list[list[str]] = []
-    used = 0
-    for name, nbytes in sizes:
-        if not shards or (used + nbytes > max_bytes and shards[-1]):
-            shards.append([])
-            used = 0
-        shards[-1].append(name)
-        used += nbytes
-    return shards
-
-
-def export_safetensors(src: str | Checkpoint, folder: str | os.PathLike[str], *,
-                       max_shard_size: int | str = DEFAULT_SHARD_SIZE, names: Iterable[str] | None = None,
-                       metadata: Mapping[str, str] | None = None, storage_options: Mapping[str, Any] | None = None,
-                       **options: Any) -> dict[str, Any]:
-    """Write a checkpoint as Hugging Face safetensors: one file, or shards and their index.
-
-    Parameters
-    ----------
-    src : str or Checkpoint
-        The checkpoint.
-    folder : path
-        Output folder (created). It gets ``model.safetensors`` when every
-        tensor fits in one shard, else ``model-0000k-of-0000n.safetensors``
-        and ``model.safetensors.index.json`` (``metadata.total_size``,
-        ``weight_map``), as ``transformers``' ``save_pretrained`` writes them.
-    max_shard_size : int or str
-        Largest shard (``"5GB"``, ``"500MiB"``, bytes); a tensor larger than
-        this is a shard alone.
-    names : iterable of str, optional
-        The tensors to export, in this order (default: all, sorted by name).
-    metadata : mapping of str to str, optional
-        Extra ``__metadata__`` entries of every file (the imported
-        ``"__metadata__"`` leaf is written back there too).
-    storage_options : dict, optional
-        fsspec options of ``src``.
-    **options
-        As for :func:`reshard.store.read.export.export` (``budget``, ``scheduler``...).
-
-    Returns
-    -------
-    dict
-        ``{"files": [paths], "index": path or None, "total_size": bytes, "stats": IOStats}``.
-    """
-    opts = dict(storage_options) if storage_options is not None else None
-    ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(str(src), storage_options=opts)
-    chosen = list(names) if names is not None else sorted(ckpt.arrays)
-    for name in chosen:
-        if name == "__metadata__":
-            raise BadNameError("a tensor named '__metadata__' cannot be stored in safetensors")
-        ckpt.tensor(name)  # a TensorNotFoundError (with close matches) for what is not a tensor
-    shards = plan_shards(((n, ckpt.arrays[n].nbytes) for n in chosen), parse_size(max_shard_size))
-    out = os.fspath(folder)
-    os.makedirs(out, exist_ok=True)
-    extra = {k: v for k, v in (ckpt.leaves.get(METADATA_LEAF) or {}).items() if isinstance(v, str)}
-    extra.update(metadata or {})
-    files, weight_map = [], {}
-    total: IOStats | None = None
-    for k, part in enumerate(shards, 1):
-        file = SINGLE_NAME if len(shards) == 1 else SHARD_NAME.format(k=k, n=len(shards))
-        stats = ckpt.export(os.path.join(out, file), format="safetensors", names=part, metadata=extra, **options)
-        total = stats if total is None else _add(total, stats)
-        files.append(os.path.join(out, file))
-        weight_map.update(dict.fromkeys(part, file))
-    total_size = sum(ckpt.arrays[n].nbytes for n in chosen)
-    index = None
-    if len(shards) > 1:
-        index = os.path.join(out, INDEX_NAME)
-        doc = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
-        tmp = index + ".partial"
-        with open(tmp, "w") as f:
-            json.dump(doc, f, indent=2, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, index)
-    return {"files": files, "index": index, "total_size": total_size, "stats": total}
-
-
-def _add(a: IOStats, b: IOStats) -> IOStats:
-    a.add(**b.as_dict())
-    return a
-
-
-__all__ = ["DEFAULT_SHARD_SIZE", "DTYPES", "INDEX_NAME", "METADATA_LEAF", "Entry", "Header", "export_safetensors",
-           "import_safetensors", "parse_size", "plan_shards", "read_header", "read_tensor", "source_files"]
+# export_safetensors and its helpers live in .hf_export; importable from here as before
+__all__ = ["DCP_SHARDING_KEY", "DEFAULT_SHARD_SIZE", "DTYPES", "FILES_LEAF", "INDEX_NAME", "METADATA_LEAF", "Entry",
+           "Header", "Piece", "export_safetensors", "import_safetensors", "parse_size", "plan_shards", "read_header",
+           "read_tensor", "source_files"]

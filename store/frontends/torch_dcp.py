@@ -2,7 +2,7 @@
 
 ::
 
-    from reshard.store.frontends.torch import StorageReader, StorageWriter
+    from reshard.torch import StorageReader, StorageWriter
 
     dcp.save(state_dict, storage_writer=StorageWriter(url))
     dcp.load(state_dict, storage_reader=StorageReader(url))
@@ -12,8 +12,9 @@ pickle): DCP's planner decides which rank writes which chunk (replicas
 deduplicated), the coordinator turns the global plan into one explicit layout
 per tensor (one block per saved chunk), every rank writes its own chunks, and
 the coordinator writes the manifests and commits in ``finish``. Non-tensor
-items must be JSON values; lists DCP split per element (``param_groups``) are
-joined back, so ``rs.open`` and :func:`reshard.store.frontends.torch.load`
+items must be JSON values or bytes-like (``bytes``, ``bytearray``,
+``io.BytesIO``, kept as tagged base64); lists DCP split per element
+(``param_groups``) are joined back, so ``rs.open`` and :func:`reshard.store.frontends.torch.load`
 see what :func:`~reshard.store.frontends.torch.save` would have written.
 
 The reader presents any reshard checkpoint (written by this plugin, by
@@ -38,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 from reshard.layouts import Layout
-from reshard.layouts.errors import DTypeMismatchError
+from reshard.layouts.errors import CheckpointExistsError, DTypeMismatchError
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -53,8 +54,10 @@ from torch.distributed.checkpoint.storage import StorageWriter as _Writer
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from ..commit.marker import read_marker
 from ..format.torch_arrays import from_numpy, to_numpy
 from ..format.tree import to_json
+from ..io.storage import Storage
 from ..read.open import open
 from ..write.writer import create
 from .dcp import _regroup
@@ -85,14 +88,16 @@ class StorageWriter(_Writer):
     **options
         As for :func:`reshard.store.create`: ``overwrite``, ``compression``,
         ``chunk_bytes``, ``checksums``, ``storage_options``, ``save_id``.
-        Without ``save_id`` the coordinator picks a fresh one per save, so
-        ``overwrite=True`` works without naming saves.
+        ``overwrite`` defaults to True, as DCP's ``FileSystemWriter``
+        overwrites: the earlier checkpoint stays readable until the new one
+        commits (a new generation). Without ``save_id`` the coordinator picks a
+        fresh one per save.
     """
 
     def __init__(self, url: str | os.PathLike[str] | None = None, **options: Any) -> None:
         super().__init__()
         self.url = None if url is None else os.fspath(url)
-        self.options = options
+        self.options = {"overwrite": True, **options}
         self.is_coordinator = False
         self._save_id: Any = None
         self._layouts: dict[str, Any] = {}
@@ -106,6 +111,15 @@ class StorageWriter(_Writer):
         self.is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """With ``overwrite=False``, refuse a committed checkpoint at the URL on every rank, before anything
+        is written: where and in the words DCP's ``FileSystemWriter`` does ("Checkpoint already exists")."""
+        if not self.options["overwrite"]:
+            url = _url(None, self.url)
+            found = read_marker(Storage(url, self.options.get("storage_options")))
+            if found is not None:
+                raise CheckpointExistsError(
+                    f"Checkpoint already exists at {url} (save_id {found[0].save_id!r}) and overwrite=False; "
+                    "pass overwrite=True to replace it (the old one stays readable until the new one commits)")
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -121,7 +135,9 @@ class StorageWriter(_Writer):
                 c = item.tensor_data.chunk
                 blocks.append((len(blocks), tuple(c.offsets), tuple(c.sizes), 0))
                 shapes[fqn] = tuple(item.tensor_data.size)
-        layouts = {n: Layout.from_blocks(shapes[n], b).to_json() for n, b in chunks.items()}
+        paths = {fqn: path for plan in plans for fqn, path in (plan.planner_data or {}).items()}
+        layouts = {n: _with_path(Layout.from_blocks(shapes[n], b), n, paths.get(n)).to_json()
+                   for n, b in chunks.items()}
         save_id = self.options.get("save_id") or uuid.uuid4().hex[:16]
         out = []
         for plan in plans:
@@ -183,6 +199,14 @@ class StorageWriter(_Writer):
         return isinstance(checkpoint_id, (str, os.PathLike))
 
 
+def _with_path(layout: Layout, fqn: str, path: Any) -> Layout:
+    """The layout, with DCP's key path in its origin when splitting ``fqn`` at dots would not give it back
+    (a key holding dots, or a list position: an int in the path)."""
+    if not isinstance(path, (tuple, list)) or list(path) == fqn.split("."):
+        return layout
+    return dataclasses.replace(layout, origin={**(layout.origin or {}), "path": list(path)})
+
+
 def _object(planner: SavePlanner, item: Any) -> Any:
     """The non-tensor value of a BYTE_IO item: from the planner's state dict, else decoded safely."""
     lookup = getattr(planner, "lookup_object", None)
@@ -207,16 +231,41 @@ def _torch_dtype(name: str, url: str, fqn: str) -> torch.dtype:
     return dtype
 
 
-def _dcp_flat(name: str, value: Any, out: dict[str, Any]) -> None:
-    """Split a JSON leaf the way DCP flattens state dicts: mappings always, lists holding containers."""
+def _dcp_flat(name: str, value: Any, out: dict[str, Any], paths: dict[str, tuple[Any, ...]],
+              path: tuple[Any, ...]) -> None:
+    """Split a leaf the way DCP flattens state dicts: mappings always, lists holding containers.
+
+    ``paths`` gets each item's key path (list positions as ints), as DCP's ``planner_data``.
+    """
     if isinstance(value, Mapping):
         for k, v in value.items():
-            _dcp_flat(f"{name}.{k}", v, out)
+            _dcp_flat(f"{name}.{k}", v, out, paths, (*path, k))
     elif isinstance(value, list) and not _terminal(value):
         for i, v in enumerate(value):
-            _dcp_flat(f"{name}.{i}", v, out)
+            _dcp_flat(f"{name}.{i}", v, out, paths, (*path, i))
     else:
         out[name] = value
+        paths[name] = path
+
+
+def _key_path(name: str, origin: Any) -> tuple[Any, ...]:
+    """A tensor's key path: the one DCP saved it under (kept in its origin), else its name split at dots."""
+    path = origin.get("path") if isinstance(origin, Mapping) else None
+    if isinstance(path, list) and path and ".".join(map(str, path)) == name:
+        return tuple(path)
+    return tuple(name.split("."))
+
+
+def _list_positions(paths: Any) -> set[tuple[str, ...]]:
+    """The key paths (as strings) of the lists that saved key paths index into."""
+    return {tuple(map(str, p[:i])) for p in paths for i, k in enumerate(p) if isinstance(k, int)}
+
+
+def _at_positions(path: tuple[Any, ...], lists: set[tuple[str, ...]]) -> tuple[Any, ...]:
+    """``path`` with its keys that index one of ``lists`` as ints: a JSON leaf that DCP saved beside a
+    tensor in a list (``k.1`` of ``{"k": [tensor, 99]}``) goes back into that list."""
+    return tuple(int(k) if isinstance(k, str) and k.isdigit() and tuple(map(str, path[:i])) in lists else k
+                 for i, k in enumerate(path))
 
 
 def _terminal(value: list[Any]) -> bool:
@@ -248,6 +297,7 @@ class StorageReader(_Reader):
         self.engine = engine
         self._ckpt: Any = None
         self._leaves: dict[str, Any] = {}
+        self._paths: dict[str, tuple[Any, ...]] = {}
         #: The last ``read_data``'s I/O counters (this rank).
         self.last_stats: Any = None
 
@@ -261,27 +311,37 @@ class StorageReader(_Reader):
         return self._ckpt
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """Every tensor as one chunk of its global shape; JSON leaves as DCP's per-element items."""
+        """Every tensor as one chunk of its global shape; leaves as DCP's per-element items.
+
+        ``planner_data`` gives each item's key path, so a load without a template
+        (``_load_state_dict_from_keys``) returns the nested state dict DCP would.
+        """
         ckpt = self._open()
         sd: dict[str, Any] = {}
+        paths: dict[str, tuple[Any, ...]] = {}
         for name, meta in ckpt.arrays.items():
             props = TensorProperties(dtype=_torch_dtype(meta.dtype, ckpt.url, name))
             shape = torch.Size(meta.shape)
             sd[name] = TensorStorageMetadata(properties=props, size=shape,
                                              chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)),
                                                                           sizes=shape)])
-        self._leaves = {}
-        for name, value in ckpt.leaves.items():
-            _dcp_flat(name, value, self._leaves)
-        for name in self._leaves:
+            paths[name] = _key_path(name, meta.origin)
+        self._split_leaves()
+        lists = _list_positions(paths.values())
+        for name, path in self._paths.items():
             sd[name] = BytesStorageMetadata()
-        return Metadata(state_dict_metadata=sd, planner_data={n: (n,) for n in sd})  # flat, as stored
+            paths[name] = _at_positions(path, lists)
+        return Metadata(state_dict_metadata=sd, planner_data=paths)
+
+    def _split_leaves(self) -> None:
+        self._leaves, self._paths = {}, {}
+        for name, value in self._ckpt.leaves.items():
+            _dcp_flat(name, value, self._leaves, self._paths, tuple(name.split(".")))
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._open()
         if not self._leaves:
-            for name, value in self._ckpt.leaves.items():
-                _dcp_flat(name, value, self._leaves)
+            self._split_leaves()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan

@@ -22,6 +22,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from reshard.layouts.errors import CheckpointExistsError, ReshardError, StorageError
 
+from . import direct, localfs
 from .stats import IOStats
 
 T = TypeVar("T")
@@ -29,6 +30,12 @@ _IOV_MAX = 512
 #: fsync of a folder answered with these: the file system keeps its folders in order itself, or cannot.
 _NO_FOLDER_SYNC = (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF)
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+#: Errors no retry can cure: denied, no space, a link or a loop of links, a name too long, not seekable.
+_PERMANENT_ERRNOS = (errno.EACCES, errno.EPERM, errno.ENOSPC, errno.ELOOP, errno.ENAMETOOLONG, errno.ESPIPE,
+                     errno.ENXIO)
+#: Largest object :meth:`Storage.read` reads whole unless told otherwise: whole reads are metadata documents
+#: and small shards (documents have lower limits of their own: :mod:`reshard.store.format.schema`).
+MAX_WHOLE_READ = 1 << 30
 
 class Storage:
     """Objects under one root URL.
@@ -63,6 +70,11 @@ class Storage:
         self.retries = retries
         self.durable = bool(durable) and self.local
         self.stats = IOStats()
+        #: Where keys ``../<name>/...`` (a checkpoint beside this one) lead; None: nowhere (the root has no
+        #: parent on its host or bucket, so such a key would leave it).
+        self._parent = localfs.parent_of(self.root)
+        #: Local files and folders checked to be no links (and files to be regular), shared by child storages.
+        self._checked: set[str] = set()
         self._also: IOStats | None = None
         self._lock = threading.Lock()
         #: Durable writes: folders whose entries changed since they were last fsynced (shared by child storages).
@@ -74,15 +86,47 @@ class Storage:
 
     def child(self, prefix: str) -> Storage:
         """The objects under ``prefix``, as a storage of their own (same filesystem, same counters)."""
+        self.path(prefix)  # confined like any key
         sub = copy.copy(self)
         sub.url, sub.root = f"{self.url}/{prefix}", f"{self.root}/{prefix}"
+        sub._parent = self.root
         return sub
 
     def path(self, key: str) -> str:
-        """The filesystem path of ``key``; ``../<name>/...`` is a key of the folder beside this one."""
-        if key.startswith("../"):  # incremental saves reference a sibling checkpoint's objects
-            return f"{self.root.rsplit('/', 1)[0]}/{key[3:]}"
-        return f"{self.root}/{key}" if key else self.root
+        """The filesystem path of ``key``; ``../<name>/...`` is a key of the folder beside this one.
+
+        Every access goes through here, so this is where keys are confined
+        (:func:`.localfs.confined`): a key that leads outside the checkpoint and
+        its siblings is a :class:`FormatError` naming it.
+        """
+        return localfs.confined(self.url, self.root, self._parent, key)
+
+    @property
+    def parent_url(self) -> str | None:
+        """The URL of the folder keys ``../<name>/...`` lead to (None: there is none on this host or bucket)."""
+        return None if self._parent is None else self.url.rsplit("/", 1)[0]
+
+    def check_object(self, key: str) -> None:
+        """Check ``key`` is one reshard may read (confined; locally a regular file reached through no link)."""
+        if self.local:
+            os.close(self._call(key, lambda: self._local_fd(key)))
+        else:
+            self.path(key)
+
+    def check_tree(self, prefix: str = "") -> None:
+        """Locally, walk ``prefix`` (links not followed): a FormatError for a link or anything but files and folders.
+
+        Before a general library (zarr-python, TensorStore) reads a folder, which
+        it would read through links. Nothing to do on object stores.
+        """
+        if self.local:
+            localfs.check_tree(self.path(prefix), self.url)
+
+    def _local_fd(self, key: str) -> int:
+        """A local object opened for reading (:func:`.localfs.open_regular`)."""
+        base = self._parent if key.startswith("../") else self.root
+        assert base is not None  # self.path() refused the key otherwise
+        return localfs.open_regular(self.path(key), base, self._checked, f"{self.url}/{key}")
 
     def counting(self, also: IOStats) -> Storage:
         """This storage, its requests counted in ``also`` too (the counters of one call)."""
@@ -97,25 +141,42 @@ class Storage:
                 self._also.add(**counts)
 
     # ------------------------------------------------------------ reading
-    def read(self, key: str) -> bytes:
-        """Read a whole object (FileNotFoundError if absent)."""
+    def read(self, key: str, limit: int | None = None) -> bytes:
+        """Read a whole object (FileNotFoundError if absent).
+
+        An object over ``limit`` bytes (default :data:`MAX_WHOLE_READ`) is a
+        :class:`FormatError` naming it, raised before its bytes are read (locally
+        its size is checked first; a remote read asks for ``limit + 1`` bytes at most).
+        """
+        limit = MAX_WHOLE_READ if limit is None else limit
         if self.local:  # plain open/read: a tenth of fsspec's cost per small file
-            data = self._call(key, lambda: _read_file(self.path(key)))
-        else:  # start=0 makes s3fs send one GET instead of HEAD + GET
-            data = self._call(key, lambda: self.fs.cat_file(self.path(key), start=0))
+            data = self._call(key, lambda: self._read_whole(key, limit))
+        else:  # one ranged GET (no HEAD first), of at most limit + 1 bytes
+            data = self._call(key, lambda: self.fs.cat_file(self.path(key), start=0, end=limit + 1))
+        if len(data) > limit:
+            raise localfs.too_big(f"{self.url}/{key}", len(data), limit)
         self.count(requests=1, bytes_fetched=len(data))
         return bytes(data)
+
+    def _read_whole(self, key: str, limit: int) -> bytes:
+        fd = self._local_fd(key)
+        try:
+            return localfs.read_whole(fd, limit, f"{self.url}/{key}")
+        finally:
+            os.close(fd)
 
     def read_suffix(self, key: str, nbytes: int) -> bytes:
         """Read the last ``nbytes`` of an object in one request."""
         if self.local:
-            with open(self.path(key), "rb") as f:
-                size = f.seek(0, os.SEEK_END)
+            fd = self._call(key, lambda: self._local_fd(key))
+            try:
+                size = os.fstat(fd).st_size
                 if size < nbytes:
                     raise StorageError(f"{self.url}/{key}: object is {size} bytes, shorter than the {nbytes} bytes "
                                        "expected at its end (truncated?)")
-                f.seek(-nbytes, os.SEEK_END)
-                data = f.read(nbytes)
+                data = os.pread(fd, nbytes, size - nbytes)
+            finally:
+                os.close(fd)
         else:
             data = self._call(key, lambda: self.fs.cat_file(self.path(key), start=-nbytes))
         if len(data) != nbytes:  # a remote object shorter than nbytes comes back whole
@@ -128,9 +189,12 @@ class Storage:
         """Read the last ``nbytes`` of an object, or all of it if it is shorter: one request."""
         if self.local:
             def tail() -> bytes:
-                with open(self.path(key), "rb") as f:
-                    f.seek(max(0, f.seek(0, os.SEEK_END) - nbytes))
-                    return f.read()
+                fd = self._local_fd(key)
+                try:
+                    size = os.fstat(fd).st_size
+                    return os.pread(fd, min(size, nbytes), max(0, size - nbytes))
+                finally:
+                    os.close(fd)
             data = self._call(key, tail)
         else:
             data = self._call(key, lambda: self.fs.cat_file(self.path(key), start=-nbytes))
@@ -140,8 +204,15 @@ class Storage:
     def read_into(self, key: str, offset: int, buffers: Sequence[memoryview]) -> None:
         """Fill ``buffers`` (in order) from the bytes at ``offset``: one request."""
         total = sum(b.nbytes for b in buffers)
+        try:
+            self._read_into(key, offset, buffers, total)
+        except FileNotFoundError:  # the key, for the caller to name what the object held
+            raise FileNotFoundError(errno.ENOENT, "no such object", key) from None
+        self.count(requests=1, bytes_fetched=total)
+
+    def _read_into(self, key: str, offset: int, buffers: Sequence[memoryview], total: int) -> None:
         if self.local:
-            fd = os.open(self.path(key), os.O_RDONLY)
+            fd = self._call(key, lambda: self._local_fd(key))
             try:
                 done, pos = 0, offset
                 for i in range(0, len(buffers), _IOV_MAX):
@@ -162,7 +233,6 @@ class Storage:
             for b in buffers:
                 b[:] = view[pos : pos + b.nbytes]
                 pos += b.nbytes
-        self.count(requests=1, bytes_fetched=total)
 
     def read_if_exists(self, key: str) -> bytes | None:
         """Read a whole object, or None if it is absent: one GET, never a listing.
@@ -215,8 +285,9 @@ class Storage:
                 self._makedirs(os.path.dirname(path))
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 try:
-                    for i in range(0, len(parts), _IOV_MAX):
-                        _writev_all(fd, parts[i : i + _IOV_MAX])
+                    if not (self.durable and direct.write(fd, parts)):  # durable: around the page cache
+                        for i in range(0, len(parts), _IOV_MAX):
+                            _writev_all(fd, parts[i : i + _IOV_MAX])
                     if self.durable:
                         os.fsync(fd)
                 finally:
@@ -342,10 +413,10 @@ class Storage:
         with self._lock:
             self._unsynced.update(folders)
 
-    def delete(self, key: str) -> None:
-        """Remove an object or a whole prefix; absent is fine."""
+    def delete(self, key: str, *, recursive: bool = True) -> None:
+        """Remove an object or a whole prefix; absent is fine. ``recursive=False``: one object (no LIST on S3)."""
         with contextlib.suppress(FileNotFoundError):
-            self._call(key, lambda: self.fs.rm(self.path(key), recursive=True))
+            self._call(key, lambda: self.fs.rm(self.path(key), recursive=recursive))
 
     # ------------------------------------------------------------ retries
     def _call(self, key: str, fn: Callable[[], T]) -> T:
@@ -393,13 +464,8 @@ def _missing_bucket(e: FileNotFoundError) -> bool:
     return "nosuchbucket" in text or "bucket does not exist" in text or "containernotfound" in text
 
 
-def _read_file(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
-
-
 def _transient(e: BaseException) -> bool:
-    return not (isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.ENOSPC))
+    return not (isinstance(e, OSError) and e.errno in _PERMANENT_ERRNOS)
 
 
 def _writev_all(fd: int, parts: Sequence[Any]) -> None:

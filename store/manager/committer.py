@@ -22,14 +22,18 @@ is removed after the next successful commit.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from reshard.layouts.errors import UncommittedCheckpointError
+from reshard.layouts.errors import CheckpointExistsError, CommitConflictError, UncommittedCheckpointError
 
-from ..commit.protocol import commit, generation_of, read_marker
+from ..commit.locks import lock_body, lock_is_stale
+from ..commit.marker import generation_of, read_marker
+from ..commit.protocol import commit
 from ..format.manifests import describe_missing, has_written, read_manifest
 from ..io.storage import Storage
 from .index import INDEX_KEY, Index, StepRecord, is_committed, read_index, step_dir, step_of, write_index
@@ -38,6 +42,10 @@ from .retention import Retention, delete_steps, plan, referenced, referenced_ste
 #: First and longest pause between two polls of a missing manifest (seconds).
 POLL_MIN = 0.005
 POLL_MAX = 1.0
+#: The root's job lock: held by the committer's process of the one job that saves to the root.
+JOB_LOCK_KEY = "manager.lock"
+#: Seconds after which a job lock not renewed is broken by another job (a live job renews it every quarter).
+JOB_LEASE = 600.0
 
 
 class Committer:
@@ -58,14 +66,20 @@ class Committer:
     """
 
     def __init__(self, root: Storage, policy: Retention, *, timeout: float, poll_max: float = POLL_MAX,
-                 stop: threading.Event | None = None) -> None:
+                 stop: threading.Event | None = None, in_flight: Callable[[int], bool] | None = None) -> None:
         self.root = root
         self.policy = policy
         self.timeout = timeout
         self.poll_max = poll_max
         self.stop = stop or threading.Event()
+        #: Incremental managers: whether a save of a step may still commit (retention holds the steps it pinned).
+        self.in_flight = in_flight
         self._index: Index | None = None
         self._abandoned: set[int] = set()
+        #: Dropped steps whose objects a save still being written may reference (see :mod:`.retention`).
+        self._held: dict[int, StepRecord] = {}
+        #: This job's lock of the root (its content), once taken.
+        self._job: bytes | None = None
         #: Requests of the last poll: ``(gets, waits)`` (for tests and benchmarks).
         self.last_poll = (0, 0)
 
@@ -75,6 +89,75 @@ class Committer:
         if self._index is None:
             self._index = read_index(self.root)
         return self._index
+
+    # ----------------------------------------------------------- job lock
+    def take_job_lock(self) -> None:
+        """Take the root's job lock (``manager.lock``): one job saves to a root at a time.
+
+        Two jobs saving to one root would mix their steps (the same step's shards
+        from both) and overwrite each other's index. The lock is renewed by
+        :meth:`renew_job_lock`; one whose holder is a dead process of this host,
+        or that was not renewed for :data:`JOB_LEASE` seconds, is broken.
+
+        Raises
+        ------
+        CommitConflictError
+            If a live job holds it; the message names its host and process.
+        """
+        body = lock_body(JOB_LEASE)
+        try:
+            self.root.write_new(JOB_LOCK_KEY, body)
+        except CheckpointExistsError:
+            raw = self.root.read_if_exists(JOB_LOCK_KEY)
+            try:
+                holder = json.loads(raw) if raw is not None else None
+            except ValueError:
+                holder = None
+            if holder is not None and not lock_is_stale(holder, time.time()):
+                raise CommitConflictError(
+                    f"{self.root.url}: another job saves to this root ({holder.get('host')} pid {holder.get('pid')}, "
+                    f"lock renewed {time.time() - float(holder['time']):.0f} s ago): two jobs on one root would mix "
+                    "their steps. Stop it or use another root; a job that died without closing its manager leaves "
+                    f"a lock that is broken once its process is gone or after {JOB_LEASE:.0f} s "
+                    f"(or delete {self.root.url}/{JOB_LOCK_KEY})") from None
+            self.root.delete(JOB_LOCK_KEY, recursive=False)
+            try:
+                self.root.write_new(JOB_LOCK_KEY, body)
+            except CheckpointExistsError:
+                raise CommitConflictError(f"{self.root.url}: another job took this root's lock just now") from None
+        self._job = body
+
+    def renew_job_lock(self) -> None:
+        """Rewrite this job's lock with the current time (a heartbeat).
+
+        Raises
+        ------
+        CommitConflictError
+            If another job broke it meanwhile (this one was taken for dead).
+        """
+        if self._job is None:
+            return
+        raw = self.root.read_if_exists(JOB_LOCK_KEY)
+        token = json.loads(self._job)["token"]
+        try:
+            theirs = json.loads(raw)["token"] if raw is not None else None
+        except (ValueError, KeyError, TypeError):
+            theirs = None
+        if theirs != token:
+            self._job = None
+            raise CommitConflictError(f"{self.root.url}: this job's lock of the root was taken by another job "
+                                      "(this one looked dead for longer than its lease): saves stop here")
+        self._job = json.dumps({**json.loads(self._job), "time": time.time()}).encode()
+        self.root.write_atomic(JOB_LOCK_KEY, self._job)
+
+    def release_job_lock(self) -> None:
+        """Give the root's job lock back (the manager is closed), if this job still holds it."""
+        if self._job is None:
+            return
+        raw = self.root.read_if_exists(JOB_LOCK_KEY)
+        if raw is not None and raw == self._job:
+            self.root.delete(JOB_LOCK_KEY, recursive=False)
+        self._job = None
 
     # ------------------------------------------------------------ startup
     def reconcile(self) -> Index:
@@ -175,7 +258,10 @@ class Committer:
         kept = index.without(set(doomed))
         write_index(self.root, kept)
         self._index = kept
-        delete_steps(self.root, [r for r in index.steps if r.step in doomed], kept)
+        check = self.in_flight
+        in_flight = None if check is None else (lambda n: n != step and check(n))
+        self._held = delete_steps(self.root, [r for r in index.steps if r.step in doomed], kept, held=self._held,
+                                  in_flight=in_flight)
         for old in sorted(s for s in self._abandoned if s < step and s not in kept.numbers()):
             self.root.delete(step_dir(old))
             self._abandoned.discard(old)

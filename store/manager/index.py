@@ -22,8 +22,8 @@ from typing import Any
 
 from reshard.layouts.errors import FormatError
 
-from ..commit.protocol import loads_json
 from ..format.meta import COMMIT_KEY
+from ..format.schema import loads_json
 from ..io.storage import Storage
 
 #: The index object under the root.

@@ -36,15 +36,17 @@ from ..io.storage import Storage
 from ..read.checkpoint import Checkpoint
 from ..read.open import open as open_checkpoint
 from ..write.writer import CheckpointWriter
-from .committer import Committer
+from .committer import JOB_LEASE, Committer
 from .index import StepRecord, committed_steps, metrics_of, read_index, step_dir
-from .retention import Retention
+from .retention import Retention, pin
 from .staging import StagingPool, _is_jax, _is_torch, host_dtype
 
 #: Seconds the committer waits for every rank of a step before giving the step up.
 DEFAULT_COMMIT_TIMEOUT = 600.0
 #: Background threads writing saves (each write also uses the shared I/O pool).
 SAVE_THREADS = 4
+#: Incremental saves: how many times a base is chosen again when retention dropped the one chosen.
+BASE_TRIES = 5
 
 
 class CheckpointManager:
@@ -125,7 +127,8 @@ class CheckpointManager:
         self.committer_rank = int(committer) if committer is not None else (self.expected[0] if self.expected else 0)
         self._stop = threading.Event()
         self.committer = Committer(self.root, self.policy, timeout=float(commit_timeout), poll_max=poll_max,
-                                   stop=self._stop)
+                                   stop=self._stop, in_flight=self._in_flight if self.incremental else None)
+        self._closing = threading.Event()
         # several writers: a process that saves many ranks (a simulation, a single-host job) writes them
         # side by side; one rank's saves never overlap by more than max_pending
         self._writes = ThreadPoolExecutor(SAVE_THREADS, thread_name_prefix="reshard-save")
@@ -137,8 +140,16 @@ class CheckpointManager:
         self._last: dict[int, int] = {}
         self._writers: dict[int, CheckpointWriter] = {}
         self._closed = False
+        self._heartbeat: threading.Thread | None = None
         if layouts is not None and self.committer_rank in _process_ranks(rank, self.committer_rank):
-            self.committer.reconcile()
+            self.committer.take_job_lock()  # one job per root: a second one is refused here
+            try:
+                self.committer.reconcile()
+            except BaseException:
+                self.committer.release_job_lock()
+                raise
+            self._heartbeat = threading.Thread(target=self._renew_job_lock, name="reshard-job-lock", daemon=True)
+            self._heartbeat.start()
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.url!r})"
@@ -256,17 +267,59 @@ class CheckpointManager:
             if step not in self._writers:
                 for old in sorted(self._writers)[:-3]:
                     del self._writers[old]
-                self._writers[step] = CheckpointWriter(
-                    f"{self.url}/{step_dir(step)}", self.layouts, save_id=str(step),
-                    storage_options=self.storage_options, base=self._base(step), **self.options)
+                self._writers[step] = self._new_writer(step)
             return self._writers[step]
 
+    def _new_writer(self, step: int) -> CheckpointWriter:
+        """A writer of ``step``; incremental: on the latest committed step before it, pinned (see retention)."""
+        assert self.layouts is not None  # save refuses a reading manager
+        for _ in range(BASE_TRIES):
+            base = self._base(step)
+            try:
+                return CheckpointWriter(f"{self.url}/{step_dir(step)}", self.layouts, save_id=str(step),
+                                        storage_options=self.storage_options, base=base, **self.options)
+            except UncommittedCheckpointError:
+                if base is None:
+                    raise
+                # retention dropped that base between the index read and our pin: choose again
+        raise UncommittedCheckpointError(f"{self.url}: step {step}: every base chosen was dropped by retention "
+                                         f"before it could be used ({BASE_TRIES} tries)")
+
     def _base(self, step: int) -> str | None:
-        """Incremental saves: the latest committed step before ``step`` (one GET of the index), if any."""
+        """Incremental saves: the latest committed step before ``step`` (one GET of the index), pinned, if any.
+
+        The pin is written before the base's marker is read (by the writer):
+        retention removes a step's marker before it reads its pins, so a base
+        that is dropped meanwhile is either seen gone here or kept for this save.
+        """
         if not self.incremental:
             return None
         older = [r.step for r in committed_steps(self.root) if r.step < step]
-        return f"{self.url}/{step_dir(older[-1])}" if older else None
+        if not older:
+            return None
+        pin(self.root, older[-1], step)
+        return f"{self.url}/{step_dir(older[-1])}"
+
+    def _in_flight(self, step: int) -> bool:
+        """Whether a save of ``step`` may still commit, as the committer's process sees it.
+
+        The committer's rank saves every step: a step it saved whose commit is
+        not done, or one it has not saved yet (other ranks may be writing it).
+        """
+        with self._lock:
+            commit = self._committing.get(step)
+            last = self._last.get(self.committer_rank)
+        return (commit is not None and not commit.done()) or last is None or step > last
+
+    def _renew_job_lock(self) -> None:
+        """Heartbeat of the root's job lock, until the manager closes."""
+        while not self._closing.wait(JOB_LEASE / 4):
+            try:
+                self.committer.renew_job_lock()
+            except BaseException as e:
+                with self._lock:
+                    self._errors.append(e)
+                return
 
     def _commit(self, step: int, written: Future[None], metrics: dict[str, float]) -> StepRecord:
         try:
@@ -355,6 +408,10 @@ class CheckpointManager:
             self._closed = True
             self._writes.shutdown(wait=True)
             self._commits.shutdown(wait=True)
+            self._closing.set()
+            if self._heartbeat is not None:
+                self._heartbeat.join(timeout=10)
+                self.committer.release_job_lock()
         if raise_errors:
             self.raise_errors()
 

@@ -9,21 +9,30 @@ Rules (all of them together; a step kept by any rule is kept):
 * the latest committed step, always.
 
 Deleting a step first drops it from the index (readers stop seeing it), then
-removes its folder. A step whose data objects a kept step references (an
-incremental save points at bytes of an older step: the index records which
-steps each one references) is *retired* instead: its commit marker goes first,
-then everything but the objects kept steps reference; once no kept step
-references it, a later deletion removes the rest.
+removes its commit marker (so that a deletion killed half way leaves a folder
+that nobody takes for a committed step), then the rest of its folder. A step whose
+data objects a kept step references (an incremental save points at bytes of an
+older step: the index records which steps each one references) is *retired*
+instead: its commit marker goes, then everything but the objects kept steps
+reference; once no kept step references it, a later deletion removes the rest.
+
+Incremental saves still being written may use a dropped step as their base: each
+process **pins** the base it chose (``step-<S>/.reshard/pins/<N>``, one small
+object per step and process) before it reads the base's marker, and retention
+removes a step's marker before it reads its pins. So either the save sees the
+marker gone and chooses another base, or retention sees the pin and keeps every
+object of the step (*held*) until that save committed or was given up.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import math
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ..commit.gc import delete_except, reused_objects
-from ..commit.protocol import read_marker
+from ..commit.marker import read_marker
 from ..format.meta import COMMIT_KEY
 from ..io.storage import Storage
 from .index import Index, StepRecord, step_dir, step_of
@@ -62,7 +71,8 @@ class Retention:
         if self.keep_every is not None:
             keep.update(r.step for r in records if r.step % self.keep_every == 0)
         if self.keep_best is not None and self.best_metric is not None:
-            scored = [r for r in records if self.best_metric in r.metrics]
+            # a NaN metric (a diverged step) is never best, nor is a step that recorded none
+            scored = [r for r in records if not math.isnan(r.metrics.get(self.best_metric, math.nan))]
             sign = 1.0 if self.best_mode == "min" else -1.0
             scored.sort(key=lambda r: (sign * r.metrics[str(self.best_metric)], -r.step))
             keep.update(r.step for r in scored[: self.keep_best])
@@ -88,24 +98,52 @@ def plan(index: Index, policy: Retention) -> tuple[list[int], list[int]]:
     return [s for s in numbers if s in keep], [s for s in numbers if s not in keep]
 
 
-def delete_steps(root: Storage, doomed: Iterable[StepRecord], index: Index) -> list[int]:
-    """Delete the folders of steps dropped from the index; return the steps touched.
+def delete_steps(root: Storage, doomed: Iterable[StepRecord], index: Index, *,
+                 held: Mapping[int, StepRecord] | None = None,
+                 in_flight: Callable[[int], bool] | None = None) -> dict[int, StepRecord]:
+    """Delete the folders of steps dropped from the index; return the steps now *held* (see the module doc).
 
     ``index`` is the index *after* ``doomed`` were dropped from it. Steps that
-    the doomed ones reference but the index no longer lists (retired earlier)
-    are reconsidered too: removed once no kept step needs them, else retired
-    again (keeping only what kept steps still need).
+    the doomed ones reference but the index no longer lists (retired earlier),
+    and steps ``held`` before, are reconsidered too: removed once no kept step
+    needs them, else retired again (keeping only what kept steps still need).
+    ``in_flight(step)``: whether a save of ``step`` may still commit (incremental
+    managers): a step such a save pinned keeps all its objects, and so do the
+    steps it references (the save may reference what its base references); None: no pins.
     """
-    still = referenced(index.steps, set(index.numbers()))
     records = list(doomed)
-    todo = {r.step for r in records} | {ref for r in records for ref in r.refs}
+    known = {**(held or {}), **{r.step: r for r in records}}
+    todo = {r.step for r in records} | {ref for r in records for ref in r.refs} | set(held or {})
     todo -= set(index.numbers())
+    pinned: dict[int, StepRecord] = {}
     for step in sorted(todo):
+        folder = root.child(step_dir(step))
+        folder.delete(COMMIT_KEY, recursive=False)  # first: no save takes it as its base now, no reader opens it
+        if in_flight is not None and any(in_flight(n) for n in pins_of(folder)):
+            pinned[step] = known.get(step, StepRecord(step, 0.0))
+    for_pins = referenced(known.values(), set(pinned)) & todo
+    now_held = {s: known.get(s, StepRecord(s, 0.0)) for s in sorted(for_pins)}
+    still = referenced(index.steps, set(index.numbers()))
+    for step in sorted(todo - set(now_held)):
         if step in still:
             retire(root, step, needed_objects(root, index, step))
         else:
             root.delete(step_dir(step))
-    return sorted(todo)
+    return now_held
+
+
+#: Pins of a step (``step-<S>/.reshard/pins/<N>``): saves of step N chose it as their base.
+PINS_DIR = ".reshard/pins"
+
+
+def pin(root: Storage, base: int, step: int) -> None:
+    """Say that a save of ``step`` uses ``base`` as its base (before reading the base's marker)."""
+    root.child(step_dir(base)).write(f"{PINS_DIR}/{int(step)}", b"{}")
+
+
+def pins_of(folder: Storage) -> list[int]:
+    """The steps whose saves pinned this step's folder (one listing)."""
+    return [int(n) for n in folder.list(PINS_DIR) if n.isdigit()]
 
 
 def referenced_steps(manifests: Mapping[int, Mapping[str, Any]]) -> tuple[int, ...]:
@@ -135,5 +173,5 @@ def needed_objects(root: Storage, index: Index, step: int) -> set[str]:
 
 def retire(root: Storage, step: int, keep: set[str]) -> None:
     """Make ``step`` unopenable (its marker goes first) and remove all of it but ``keep``."""
-    root.child(step_dir(step)).delete(COMMIT_KEY)
+    root.child(step_dir(step)).delete(COMMIT_KEY, recursive=False)
     delete_except(root, step_dir(step), {f"{step_dir(step)}/{key}" for key in keep})

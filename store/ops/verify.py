@@ -30,7 +30,7 @@ from reshard.layouts.errors import (
 )
 
 from ..commit.locate import read_references
-from ..commit.protocol import Marker, generation_storage, read_marker
+from ..commit.marker import Marker, generation_storage, read_marker, read_root_document
 from ..format.manifests import merge_manifests, merge_packed, read_manifest
 from ..format.meta import ArrayMeta, stored_name
 from ..format.refs import REFS_KEY, References, objects_of, templates_for
@@ -171,6 +171,9 @@ def _committed(root: Storage, marker: Marker, storage_options: dict[str, Any] | 
     report.committed = True
     gen = generation_storage(root, marker)
     where = f"{gen.url}/zarr.json"
+    if marker.locations is not None:  # the packed form's root document, an object of its own: name it
+        with contextlib.suppress(FileNotFoundError):
+            where = f"{gen.url}/{read_root_document(gen, marker)[0]}"
     read_doc, refs = documents(gen, marker, report)
     try:
         arrays, leaves = parse_metadata(where, read_doc("zarr.json"), marker)
@@ -214,12 +217,13 @@ def documents(gen: Storage, marker: Marker, report: VerifyReport
         refs, inline = None, {}
     if marker.locations is not None and refs is not None:  # the root document is an object of its own too
         with contextlib.suppress(FileNotFoundError):
-            if gen.read("zarr.json") != refs.root:
-                report.add("references", where, "its root zarr.json differs from the save's zarr.json")
+            own, raw = read_root_document(gen, marker)
+            if raw != refs.root:
+                report.add("references", where, f"its root zarr.json differs from the save's {own}")
 
     def read(key: str) -> bytes:
         if key == "zarr.json" and marker.locations is not None:
-            return gen.read(key)
+            return read_root_document(gen, marker)[1]
         doc = inline.get(key)
         if not isinstance(doc, str):
             raise FileNotFoundError(f"{where}: no document {key!r}")

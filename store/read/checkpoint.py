@@ -24,7 +24,7 @@ from reshard.layouts.errors import (
 
 from ..commit.locate import Locator
 from ..format.meta import COMMIT_KEY, ArrayMeta
-from ..format.tree import LayoutSpec, flatten, resolve_layout, suggest, unflatten
+from ..format.tree import LayoutSpec, flatten, from_json, resolve_layout, suggest, unflatten
 from ..io.gcpause import gc_paused
 from ..io.stats import IOStats
 from ..io.storage import Storage
@@ -44,12 +44,13 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
                  committed: bool, engine: str = "fast", gap: int | None = None, *,
                  root: Storage | None = None, marker: bytes | None = None,
                  locator: Locator | None = None) -> None:
-        #: The generation this view reads (its zarr hierarchy: ``zarr_url``).
+        #: The generation this view reads: its folder (``url/gen-<save_id>``), in either form.
         self.storage = storage
         #: The checkpoint's URL, whose marker names the committed generation.
         self.root = root if root is not None else storage
         self.arrays = arrays
-        self.leaves = leaves
+        #: The non-tensor leaves, as saved (bytes-like ones decoded by :func:`from_json`).
+        self.leaves = {k: from_json(v) for k, v in leaves.items()}
         self.committed = committed
         #: The marker's bytes when opened: reads check the checkpoint was not replaced since.
         self.marker = marker
@@ -114,11 +115,27 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
 
     @property
     def zarr_url(self) -> str:
-        """The zarr v3 group of the opened save, for plain zarr-python, TensorStore and dask.
+        """The folder of the opened save, a zarr v3 hierarchy: directory form only.
 
-        In the packed form this folder holds the save's data objects and
-        :attr:`references_url`, through which zarr-python and dask read it.
+        ``zarr.open_group(zarr_url)``, ``dask.array.from_zarr(f"{zarr_url}/model/w")``,
+        TensorStore's ``zarr3`` driver. :meth:`zarr_store` serves zarr-python,
+        xarray and dask in either form.
+
+        Raises
+        ------
+        FormatError
+            The save is in the packed form: its chunks are byte ranges of its
+            ranks' data objects, so no folder of it is a zarr hierarchy (packed
+            saves before 2026-11-27 left a ``zarr.json`` there that zarr-python
+            opened and read as fill values). The message gives the ways that read it.
         """
+        if self.fetcher.locator is not None:
+            raise FormatError(
+                f"{self.url}: the save is in the packed form, whose chunks are byte ranges of its data objects: no "
+                "folder of it is a zarr hierarchy. For zarr-python, xarray and dask use "
+                f"rs.open({self.url!r}).zarr_store() (or fsspec's reference:// over {self.references_url}, "
+                "docs/format.md); for a folder TensorStore and zarr.open_group open, "
+                f"`reshard convert {self.url} DST --form directory`")
         return self.storage.url
 
     @property
@@ -141,17 +158,10 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
         recipe of docs/format.md, which needs no reshard code). Open groups
         with their consolidated metadata (zarr's default; every save has it):
         zarr's ``FsspecStore`` cannot list a reference filesystem's top level.
+        Every location the store may request is checked first, as reshard's own
+        reads are (:meth:`reshard.store.read.fetch.Fetcher.general_store`).
         """
-        import zarr.storage
-
-        opts = self.root.options
-        if self.references_url is None:
-            if self.root.local:
-                return zarr.storage.LocalStore(self.zarr_url, read_only=True)
-            return zarr.storage.FsspecStore.from_url(self.zarr_url, read_only=True, storage_options=opts)
-        return zarr.storage.FsspecStore.from_url("reference://", read_only=True, storage_options={
-            "fo": self.references_url, "template_overrides": {"root": self.url},
-            "remote_options": {**opts, "asynchronous": True}, "target_options": opts})
+        return self.fetcher.general_store(self.arrays.values())
 
     @property
     def nbytes(self) -> int:

@@ -26,6 +26,7 @@ back with ``ml_dtypes``.
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 import math
@@ -39,6 +40,7 @@ import numpy as np
 from reshard.layouts.errors import BadNameError
 
 from ..format.meta import ArrayMeta
+from ..format.tree import json_leaves
 from ..io.stats import IOStats
 from . import graph
 
@@ -57,6 +59,10 @@ SAFETENSORS_DTYPES = {
 NPZ_AS_BITS = {"bfloat16": "<u2", "float8_e4m3fn": "|u1", "float8_e5m2": "|u1"}
 #: Member holding the npz note when it is too long for the zip comment.
 NPZ_NOTE = "reshard.json"
+#: Leaves of an imported Hugging Face folder: its files' ``__metadata__``, and the files kept beside the
+#: weights (:mod:`reshard.store.frontends.hf_folder`). safetensors exports write them back as such.
+METADATA_LEAF = "__metadata__"
+FILES_LEAF = "__files__"
 
 
 # -------------------------------------------------------------------- plan
@@ -211,10 +217,18 @@ def _flat_offset(meta: ArrayMeta, region: Region) -> int:
 
 def safetensors_header(metas: list[ArrayMeta], leaves: dict[str, Any],
                        metadata: dict[str, str] | None = None) -> tuple[bytes, list[int]]:
-    """The header bytes (length prefix included) and each tensor's absolute file offset."""
-    extra: dict[str, str] = {"format": "pt"}
-    if leaves:
-        extra["reshard.leaves"] = json.dumps(leaves)
+    """The header bytes (length prefix included) and each tensor's absolute file offset.
+
+    ``__metadata__``: the imported one (leaf ``"__metadata__"``), ``"format": "pt"``,
+    the other leaves as JSON under ``"reshard.leaves"`` (not the kept files of
+    ``"__files__"``: an export to a folder writes those beside), then ``metadata``.
+    """
+    kept = leaves.get(METADATA_LEAF)
+    extra = {k: v for k, v in (kept.items() if isinstance(kept, dict) else ()) if isinstance(v, str)}
+    extra["format"] = "pt"  # transformers reads "pt" files only, whatever format the source had
+    rest = {k: v for k, v in leaves.items() if k not in (METADATA_LEAF, FILES_LEAF)}
+    if rest:
+        extra["reshard.leaves"] = json.dumps(json_leaves(rest))
     extra.update(metadata or {})
     doc: dict[str, Any] = {"__metadata__": extra}
     pos, starts = 0, []
@@ -267,15 +281,19 @@ def _export_stream(path: str, format: str, header: bytes, metas: list[ArrayMeta]
     try:
         with fs.open(fpath, "wb") as raw:
             sink = _NpzSink(raw, metas) if format == "npz" else _RawSink(raw, header)
-            for w, wave in enumerate(_waves(groups, ref.limit)):
-                prefix = f"reshard-export-{ref.token}-{w}"
-                dsk = {(prefix, g): (graph.read_task, graph.ReadTask(source, tuple(s.op for s in group)))
-                       for g, group in enumerate(wave)}
-                for group, (arrays, stats) in zip(wave, graph.run(dsk, list(dsk), scheduler, bar), strict=True):
-                    for s, arr in zip(group, arrays, strict=True):
-                        sink.write(s.meta, arr)
-                    parts.append(stats)
-                del dsk
+            try:
+                for w, wave in enumerate(_waves(groups, ref.limit)):
+                    prefix = f"reshard-export-{ref.token}-{w}"
+                    dsk = {(prefix, g): (graph.read_task, graph.ReadTask(source, tuple(s.op for s in group)))
+                           for g, group in enumerate(wave)}
+                    for group, (arrays, stats) in zip(wave, graph.run(dsk, list(dsk), scheduler, bar), strict=True):
+                        for s, arr in zip(group, arrays, strict=True):
+                            sink.write(s.meta, arr)
+                        parts.append(stats)
+                    del dsk
+            except BaseException:
+                sink.abort()  # the file is removed: nothing more may write to it, now or when collected
+                raise
             sink.close(leaves)
             size = raw.tell()
     except BaseException:
@@ -296,6 +314,9 @@ class _RawSink:
         self.raw.write(_bytes(arr))
 
     def close(self, leaves: dict[str, Any]) -> None:
+        pass
+
+    def abort(self) -> None:
         pass
 
 
@@ -325,13 +346,22 @@ class _NpzSink:
     def close(self, leaves: dict[str, Any]) -> None:
         if self.member is not None:
             self.member.close()
-        note = json.dumps({"reshard": {"dtypes": self.dtypes, "leaves": leaves}}).encode()
+        note = json.dumps({"reshard": {"dtypes": self.dtypes, "leaves": json_leaves(leaves)}}).encode()
         if len(note) <= 0xFFFF:
             self.zip.comment = note
         else:  # a zip comment holds at most 64 KiB: a member then, named in the comment
             self.zip.writestr(_entry(NPZ_NOTE), note)
             self.zip.comment = json.dumps({"reshard": {"member": NPZ_NOTE}}).encode()
         self.zip.close()
+
+    def abort(self) -> None:
+        """Drop the archive after a failure, writing nothing more (else, once collected, the zip file's
+        finaliser wrote its directory to the closed stream: "Exception ignored ... seek of closed file")."""
+        if self.member is not None:
+            io.BufferedIOBase.close(self.member)  # closed, without writing the member's record
+            self.member = None
+        self.zip._writing = False  # type: ignore[attr-defined]
+        self.zip.fp = None
 
 
 def _entry(name: str) -> zipfile.ZipInfo:

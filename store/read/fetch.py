@@ -17,7 +17,9 @@ per source object touched.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+import threading
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from reshard.layouts.errors import FormatError, StorageError
@@ -99,10 +101,46 @@ class Fetcher:
         #: as reshard writes them (:func:`reshard.store.format.encode.plain_index`). ``verify`` sets it: it
         #: checks every index; a load needs only the chunks, each checked by its crc32c.
         self.read_indexes = False
+        self._store: Any = None
+        self._store_lock = threading.Lock()
 
     @property
     def url(self) -> str:
         return self.storage.url
+
+    def general_store(self, arrays: Iterable[ArrayMeta] = ()) -> Any:
+        """The save as a read-only zarr-python store, every location it may request checked first (made once).
+
+        The general engines (zarr, TensorStore) and :meth:`Checkpoint.zarr_store`
+        read through libraries that follow whatever they are given. So first:
+        a packed save's references are read and checked
+        (:func:`reshard.store.format.refs.parse`: every url under the checkpoint
+        root) and each data object they name is checked like any object reshard
+        reads (a regular file, no link); a directory-form save's folder is
+        walked once, refusing links and anything but regular files and folders.
+        ``arrays``: the records of every tensor, checked in full first
+        (:func:`reshard.store.format.schema.check_array`: its sizes and counts
+        within the limits), as the library will allocate what they declare.
+        """
+        for meta in arrays:
+            meta.resolve()
+        with self._store_lock:
+            if self._store is None:
+                from ..format.engines import directory_store, references_store
+
+                if self.locator is not None:
+                    refs = self.locator.references()
+                    for obj in sorted(refs.objects()):
+                        try:
+                            self.root.check_object(obj)
+                        except FileNotFoundError:
+                            raise FormatError(f"{self.root.url}/{obj} is missing: a data object of the save "
+                                              "(deleted, or the checkpoint was copied incompletely)") from None
+                    self._store = references_store(self.root, refs)
+                else:
+                    self.storage.check_tree()
+                    self._store = directory_store(self.storage)
+            return self._store
 
     def read_regions(self, jobs: list[tuple[ArrayMeta, Region, np.ndarray]]) -> IOStats:
         """Fill destinations from stored regions: the one I/O path of every read.
@@ -114,6 +152,7 @@ class Fetcher:
         if self.engine != "fast":  # the general engines do their own I/O: only deliveries are known
             from ..format.engines import read_with_engine
 
+            self.general_store()  # every location they may request checked first
             for meta, region, dest in jobs:
                 dest[...] = read_with_engine(self, meta, region)
             self.storage.count(bytes_delivered=delivered)
@@ -161,8 +200,8 @@ class Fetcher:
         def fetch(key: str, meta: ArrayMeta, shard: tuple[int, ...]) -> int:
             n = meta.index_nbytes(shard)
             try:
-                if small[key]:
-                    blob = memoryview(self.storage.read(key))
+                if small[key]:  # no more than such a shard can take (zstd may grow a chunk a little)
+                    blob = memoryview(self.storage.read(key, limit=2 * shard_bytes[key] + n + 4096))
                     blobs[key], data = blob, bytes(blob[-n:])
                     size = blob.nbytes
                 else:
@@ -223,10 +262,15 @@ class Fetcher:
                     wanted[key] = (meta, shard, (obj, off, n))
                     whole = n <= self.small_shard_bytes  # data and index in one range
                     ranges.append((obj, off if whole else off + n - meta.index_nbytes(shard), off + n))
-        spans, sizes = packed.read_ranges(root, ranges, self.gap, packed.Spans(self.locator.spans))
+        try:
+            spans, sizes = packed.read_ranges(root, ranges, self.gap, packed.Spans(self.locator.spans))
+        except FileNotFoundError as e:
+            raise _missing(root, e, jobs, shards) from None
         for key, (meta, shard, (obj, off, n)) in wanted.items():
             tail = spans.get(obj, off + n - meta.index_nbytes(shard), off + n)
-            assert tail is not None
+            if tail is None or n < meta.index_nbytes(shard):
+                raise FormatError(f"tensor {meta.name!r}: shard {key!r} is {n} bytes at {off} of {root.url}/{obj}, "
+                                  f"too short for its index of {meta.index_nbytes(shard)} bytes")
             self.indexes[key] = decode_index(bytes(tail), meta, key, shard)
         work: list[tuple[Request, list[Target], memoryview | None]] = []
         far: list[ChunkRead] = []
@@ -258,12 +302,26 @@ class Fetcher:
         tasks = ([functools.partial(execute_mixed, root, *w) for w in work]
                  + [functools.partial(execute_whole, root, obj, g) for obj, g in groups])
         task_bytes = [w[0].nbytes for w in work] + [g[-1].offset + g[-1].nbytes - g[0].offset for _, g in groups]
-        fetched = pool.run_batched(tasks, task_bytes, root.local)
+        try:
+            fetched = pool.run_batched(tasks, task_bytes, root.local)
+        except FileNotFoundError as e:
+            raise _missing(root, e, jobs, shards) from None
         self.storage.count(bytes_delivered=delivered, tasks=len(tasks))
         far_requests = sum(1 for w in work if w[2] is None) + len(groups)
         return IOStats(requests=located_by.requests + len(sizes) + far_requests,
                        bytes_fetched=located_by.bytes_fetched + sum(sizes) + sum(fetched),
                        bytes_delivered=delivered, tasks=len(tasks))
+
+
+def _missing(root: Storage, e: FileNotFoundError, jobs: list[tuple[ArrayMeta, Region, np.ndarray]],
+             shards: list[list[tuple[tuple[int, ...], str, Location]]]) -> FormatError:
+    """A missing data object of a packed save, as a FormatError naming it and the tensors it holds."""
+    obj = str(e.filename or "")
+    names = sorted({meta.name for (meta, _, _), located in zip(jobs, shards, strict=True)
+                    for _, _, (o, _, _) in located if o == obj})
+    shown = ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return FormatError(f"{root.url}/{obj} is missing: a data object of the committed save, holding tensor(s) "
+                       f"{shown or '(unknown)'} (deleted, or the checkpoint was copied incompletely)")
 
 
 def _runs(reads: list[WholeRead], gap: int) -> list[list[WholeRead]]:

@@ -1,7 +1,8 @@
 """Opening a checkpoint: the marker, the root metadata, and the ``Checkpoint`` over them.
 
-:func:`open` reads the commit marker and the generation's root ``zarr.json`` (two
-small reads, no data) and picks how shards are located (the ranks' manifests, or
+:func:`open` reads the commit marker and the generation's root metadata document (two
+small reads, no data: the directory form's ``zarr.json``, the packed form's
+``.reshard/metadata.json``) and picks how shards are located (the ranks' manifests, or
 the references of a block writer's save). An uncommitted save opens from its
 ranks' manifests on request (``allow_uncommitted=True``), for forensics.
 """
@@ -15,7 +16,16 @@ from typing import Any
 from reshard.layouts.errors import CheckpointNotFoundError, FormatError, StorageError, UncommittedCheckpointError
 
 from ..commit.locate import ByRanks, ByReferences, Locator, read_references
-from ..commit.protocol import GENERATION_PREFIX, Marker, generation_of, generation_storage, metadata_digest, read_marker
+from ..commit.marker import (
+    GENERATION_PREFIX,
+    Marker,
+    generation_of,
+    generation_storage,
+    metadata_digest,
+    read_marker,
+    read_root_document,
+    root_document_keys,
+)
 from ..format import refs as references
 from ..format.consolidated import RootMetadata
 from ..format.manifests import merge_manifests, present_ranks, read_manifest, read_manifests
@@ -104,8 +114,12 @@ def _file_not_checkpoint(url: str) -> str:
 
 def read_metadata(storage: Storage, marker: Marker) -> tuple[dict[str, ArrayMeta], dict[str, Any]]:
     """The arrays and leaves of a committed save, checked against its marker."""
-    where = f"{storage.url}/zarr.json"
-    return parse_metadata(where, _read_root(storage, where), marker)
+    try:
+        key, raw = read_root_document(storage, marker)
+    except FileNotFoundError:
+        raise FormatError(f"{storage.url}/{root_document_keys(marker)[0]} is missing: the committed save's "
+                          "metadata is gone") from None
+    return parse_metadata(f"{storage.url}/{key}", raw, marker)
 
 
 def parse_metadata(where: str, raw: bytes, marker: Marker) -> tuple[dict[str, ArrayMeta], dict[str, Any]]:
@@ -142,13 +156,6 @@ class _WholeRoot:
     def __call__(self) -> bytes:
         _check_digest(self.where, self.raw, self.marker)
         return self.raw
-
-
-def _read_root(storage: Storage, where: str) -> bytes:
-    try:
-        return storage.read("zarr.json")
-    except FileNotFoundError:
-        raise FormatError(f"{where} is missing: the committed save's metadata is gone") from None
 
 
 def _check_digest(where: str, raw: bytes, marker: Marker) -> None:

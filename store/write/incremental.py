@@ -36,7 +36,7 @@ import numpy as np
 import xxhash
 from reshard.layouts.errors import FormatError, UncommittedCheckpointError
 
-from ..commit.protocol import Marker, generation_storage, read_marker
+from ..commit.marker import Marker, generation_storage, read_marker
 from ..format.encode import bytes_view
 from ..format.manifests import read_manifest, read_manifests
 from ..format.refs import Location

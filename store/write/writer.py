@@ -34,14 +34,16 @@ from reshard.layouts.errors import (
     ShapeMismatchError,
 )
 
-from ..commit.protocol import Marker, commit, generation_of, read_marker, save_id_of
+from ..commit.locks import Lease
+from ..commit.marker import Marker, generation_of, read_marker, save_id_of
+from ..commit.protocol import commit
 from ..format.dtypes import dtype_name
 from ..format.encode import encode_shard
 from ..format.manifests import has_written, manifest_key, rank_manifest, records_json
 from ..format.meta import DEFAULT_CHUNK_BYTES, ArrayMeta, tensor_path
 from ..format.refs import DEFAULT_OBJECT_BYTES, PACKED_DIR, check_form, trailer
 from ..format.schema import check_names, with_digest
-from ..format.tree import LayoutSpec, flatten, resolve_layout
+from ..format.tree import LayoutSpec, flatten, json_leaves, resolve_layout
 from ..io import packed, pool
 from ..io.gcpause import gc_paused
 from ..io.storage import Storage
@@ -112,6 +114,8 @@ class CheckpointWriter:
         #: Where this save's objects go: the generation's folder under the root.
         self.generation = generation_of(self.save_id)
         self.storage = self.root.child(self.generation)
+        #: Tells ``gc`` this save is live (one small object per generation, renewed by later writes).
+        self._lease = Lease(self.root, self.generation)
         self.layouts = layouts
         self.shapes = dict(shapes or {})
         self.compression = compression
@@ -204,6 +208,7 @@ class CheckpointWriter:
         if missing:
             raise LayoutError(f"rank {rank} holds {missing} by its layouts but did not pass them")
         self._check_not_written(rank)
+        self._lease.renew(check=True)  # after that check: a save_id gc collected is refused, never reused
         metas = {n: p.meta for n, p in plans.items()}
         manifest = rank_manifest(rank, self.save_id, metas, leaves, {n: p.record for n, p in plans.items()})
         self._known.update((n, (p.record, p.meta)) for n, p in plans.items())
@@ -234,8 +239,8 @@ class CheckpointWriter:
         if rank not in self._written and has_written(self.storage, rank, self.form):
             raise CheckpointExistsError(
                 f"{self.root.url}: rank {rank} already wrote save_id {self.save_id!r} (an earlier attempt that "
-                "was not committed?). Save under a new save_id, or remove the attempt with "
-                f"`reshard gc {self.root.url} --min-age 0`")
+                "was not committed?). Save under a new save_id; `reshard gc "
+                f"{self.root.url} --min-age 0` removes the attempt (its save_id is then never used again here)")
 
     @gc_paused()
     def write_block(self, meta: ArrayMeta, region: tuple[slice, ...], data: np.ndarray) -> None:
@@ -249,6 +254,7 @@ class CheckpointWriter:
         a block writer's memory and object size. They may be views of ``data``:
         the caller leaves it unchanged until then (importers pass each block's own array).
         """
+        self._lease.renew()
         if self.form == "directory":
             pool.run_all(self._shard_jobs(meta, region, data), self.storage.local)
             return
@@ -283,9 +289,10 @@ class CheckpointWriter:
         records = {**self._located, **(located or {})}
         hashes = {k: v for k, v in self._hashes.items() if k in records}
         ranks = sorted(set().union(*(m.layout.ranks for m in metas.values()))) or [0]
+        stored = json_leaves(leaves)
         for rank in ranks:
             held = {n: m for n, m in metas.items() if rank in m.layout.ranks}
-            manifest = rank_manifest(rank, self.save_id, held, dict(leaves))
+            manifest = rank_manifest(rank, self.save_id, held, stored)
             if self.form == "packed":
                 manifest["packed"] = records if rank == ranks[0] else {}
                 manifest["hashes"] = hashes if rank == ranks[0] else {}

@@ -17,6 +17,7 @@ def main(path: str) -> None:
     corrupt: dict[str, Counter[str]] = defaultdict(Counter)
     fuzz: dict[str, Counter[str]] = defaultdict(Counter)
     flaky: Counter[str] = Counter()
+    lifecycle: Counter[str] = Counter()
     failures = sum(len(r["failures"]) for r in rows)
     for r in rows:
         group = r["test"].split("[")[0]
@@ -29,6 +30,8 @@ def main(path: str) -> None:
         elif group == "fuzz":
             doc = where.split("-")[2:]  # backend, form, document..., mode
             fuzz["-".join(doc)].update(r["counts"])
+        elif group.startswith("lifecycle"):
+            lifecycle.update({f"{group}[{where}]: {k}": v for k, v in r["counts"].items()})
         else:
             flaky.update({f"{group}: {k}": v for k, v in r["counts"].items()})
     seeds = sorted({r["seed"] for r in rows})
@@ -49,6 +52,9 @@ def main(path: str) -> None:
         exact = c["correct"] + c["correct; verify reports it"]
         reported = c["caught by verify"] + c["correct; verify reports it"]
         print(f"| {doc} | {total} | {c['refused']} | {exact} | {reported} | {c['silent'] + c['unnamed']} |")
+    print("\n| lifecycle (gc, retention, jobs) | count |\n|---|---|")
+    for k, v in sorted(lifecycle.items()):
+        print(f"| {k} | {v} |")
     print("\n| flaky S3 | count |\n|---|---|")
     for k, v in sorted(flaky.items()):
         print(f"| {k} | {v} |")

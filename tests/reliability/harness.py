@@ -18,6 +18,9 @@ import json
 import os
 import random
 import re
+import signal
+import time
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -87,15 +90,16 @@ FORMS: dict[str, dict[str, Any]] = {"directory": {"form": "directory"}, "packed"
 KIND_RULES: list[tuple[str, str]] = [
     ("marker", r"^\.reshard/commit\.json$"),
     ("lock", r"(^|/)\.reshard/commit\.lock$"),
+    ("lease", r"^gen-[^/]+/\.reshard/lease\.json$"),  # a writer's lease: read by gc only, never by readers
     ("manifest", r"^gen-[^/]+/\.reshard/ranks/\d+\.json$"),
-    ("root-json", r"^gen-[^/]+/zarr\.json$"),
+    ("root-json", r"^gen-[^/]+/(zarr|\.reshard/metadata)\.json$"),  # packed: .reshard/metadata.json
     ("node-json", r"^gen-[^/]+/.+/zarr\.json$"),
     ("shard", r"^gen-[^/]+/.+/c(/\d+)*$"),
     ("references", r"^gen-[^/]+/refs\.json$"),  # packed form: every document inline + shard locations
     ("data-object", r"^gen-[^/]+/packed/[^/]+\.bin$"),  # packed form: a rank's shards, then its manifest
 ]
 #: Kinds nobody reads once committed (damage there is harmless by design).
-UNREAD_KINDS = {"lock"}
+UNREAD_KINDS = {"lock", "lease"}
 
 
 def kind_of(key: str, backend: Backend | None = None) -> str:
@@ -221,3 +225,31 @@ def attempt(fn: Callable[[], Any]) -> tuple[str, Any]:
         return "refused", e
     except Exception as e:
         return "crash", e
+
+
+def fork(fn: Callable[[], Any]) -> int:
+    """Run ``fn()`` in a forked process (exit 0 when it returns, 1 when it raises); its pid."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: fork of a threaded process
+        pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        fn()
+        code = 0
+    finally:
+        os._exit(code)
+
+
+def reap(pid: int, timeout: float) -> int | None:
+    """Wait for ``pid`` at most ``timeout`` seconds: its wait status, or None (after killing it) if it hung."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        time.sleep(0.005)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None

@@ -57,7 +57,9 @@ def test_bounded_faults_never_change_what_is_saved(proxied, form: str) -> None:
 
 #: Objects a trial of the unbounded test cannot write at all: in turn none, the commit
 #: marker, the metadata, the manifests, the shards.
-DENY = [None, "*/.reshard/commit.json", "*/zarr.json", "*/.reshard/ranks/*", "*/c/*"]
+DENY = [None, "*/.reshard/commit.json", "root document", "*/.reshard/ranks/*", "*/c/*"]
+#: The metadata's objects in each form (the packed form's root document is not a zarr.json: issue 23).
+ROOT_DOCUMENT = {"directory": "*/zarr.json", "packed": "*/.reshard/metadata.json"}
 
 
 @pytest.mark.parametrize("form", sorted(FORMS))
@@ -72,6 +74,7 @@ def test_unbounded_faults_fail_cleanly_and_keep_the_committed_checkpoint(proxied
         proxy.seed = rng.getrandbits(32)
         proxy.fail_rate, proxy.reset_rate, proxy.reset_after_rate = 0.1, 0.03, 0.03
         denied = DENY[trial % len(DENY)]
+        denied = ROOT_DOCUMENT[form] if denied == "root document" else denied
         if denied:  # and one kind of object that can never be written (403)
             proxy.deny(denied, "PUT")
         state = make_state(rng)

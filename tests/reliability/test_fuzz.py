@@ -101,7 +101,7 @@ def _marker(backend: Backend) -> dict[str, Any]:
 def _fix_marker(backend: Backend, marker: dict[str, Any], key: str | None = None) -> None:
     """Rewrite the marker with the digest of the document at ``key`` recomputed (the ``consistent`` mode)."""
     path = key.partition("#")[0] if key is not None else ""
-    if path.endswith("/zarr.json"):
+    if path.endswith(("/zarr.json", "/.reshard/metadata.json")):  # the root document (directory, packed)
         marker["metadata_sha256"] = hashlib.sha256(backend.read(path)).hexdigest()
         marker.update(summary_seal(backend.read(path)))
     elif path.endswith(f"/{REFS_KEY}"):
@@ -110,9 +110,14 @@ def _fix_marker(backend: Backend, marker: dict[str, Any], key: str | None = None
     backend.write(".reshard/commit.json", with_digest(marker))
 
 
+def _root_key(gen: str, form: str) -> str:
+    """The root document's own object: ``zarr.json`` (directory form), ``.reshard/metadata.json`` (packed)."""
+    return f"{gen}/.reshard/metadata.json" if form == "packed" else f"{gen}/zarr.json"
+
+
 def _node_keys(backend: Backend, gen: str, node: str, form: str) -> list[str]:
     """Array or group documents: files (directory form), or ``refs.json#<key>`` inline in the references."""
-    root = json.loads(backend.read(f"{gen}/zarr.json"))
+    root = json.loads(backend.read(_root_key(gen, form)))
     docs = root["consolidated_metadata"]["metadata"]
     where = f"{gen}/{REFS_KEY}#" if form == "packed" else f"{gen}/"
     return [f"{where}{p}/zarr.json" for p, d in sorted(docs.items()) if d["node_type"] == node]
@@ -180,7 +185,7 @@ def test_fuzzed_metadata_is_refused_or_reads_exactly(backend: Backend, form: str
     committed = doc not in ("manifest", "records")
     save(state, backend, form, "base", commit=committed)
     gen = _marker(backend)["generation"] if committed else "gen-base"
-    keys = {"marker": [".reshard/commit.json"], "root-json": [f"{gen}/zarr.json"],
+    keys = {"marker": [".reshard/commit.json"], "root-json": [_root_key(gen, form)],
             "manifest": _manifest_keys(gen, form), "references": [f"{gen}/{REFS_KEY}"],
             "records": [f"{gen}/packed/{r}.bin#records" for r in range(RANKS)]}
     if committed:
@@ -232,7 +237,7 @@ def test_fuzzed_metadata_is_refused_or_reads_exactly(backend: Backend, form: str
             for k, v in originals.items():
                 backend.write(k, v)
             if not committed:  # undo a commit the case made (nothing else is at this URL)
-                made = ("zarr.json", REFS_KEY, ".reshard/commit.lock")
+                made = ("zarr.json", ".reshard/metadata.json", REFS_KEY, ".reshard/commit.lock")
                 for k in (".reshard/commit.json", *(f"{gen}/{m}" for m in made)):
                     with contextlib.suppress(FileNotFoundError):
                         backend.delete(k)

@@ -16,38 +16,10 @@ import functools
 import os
 import signal
 import time
-import warnings
 
 import pytest
 import reshard.store as rs
-from harness import RANKS, Backend, Tally, attempt, make_state, read_back, rng_for, same, save, trials
-
-
-def _fork_save(state: dict, backend: Backend, form: str, save_id: str) -> int:
-    """Fork a process that saves ``state`` (all ranks, then commit); returns its pid."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: fork of a threaded process
-        pid = os.fork()
-    if pid:
-        return pid
-    code = 1
-    try:
-        save(state, backend, form, save_id)
-        code = 0
-    finally:
-        os._exit(code)
-
-
-def _reap(pid: int, timeout: float = 30.0) -> int:
-    """Wait for ``pid`` (bounded); returns its wait status."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return status
-        time.sleep(0.005)
-    os.kill(pid, signal.SIGKILL)
-    raise AssertionError(f"process {pid} did not end within {timeout} s")
+from harness import RANKS, Backend, Tally, attempt, fork, make_state, read_back, reap, rng_for, same, save, trials
 
 
 def test_kill_9_during_saves(backend: Backend, form: str) -> None:
@@ -65,10 +37,11 @@ def test_kill_9_during_saves(backend: Backend, form: str) -> None:
     for trial in range(count):
         state = make_state(rng)
         sid = f"t{trial}"
-        pid = _fork_save(state, backend, form, sid)
+        pid = fork(functools.partial(save, state, backend, form, sid))
         time.sleep(rng.uniform(0, 1.1 * duration))
         os.kill(pid, signal.SIGKILL)
-        status = _reap(pid)
+        status = reap(pid, 30.0)
+        assert status is not None, f"save process {pid} did not end within 30 s"
         killed = os.WIFSIGNALED(status)
         outcome, got = attempt(lambda: read_back(backend))
         if outcome != "ok" or not (same(got, committed) or same(got, state)):
