@@ -15,7 +15,7 @@ from bench import data
 from bench.report import machine, markdown, summary
 from bench.workloads import Options, Runner, available_anchors
 
-ALL = ("w1", "w3", "w2", "w4", "gpt2", "w5", "s3sim", "scale", "async")
+ALL = ("w1", "w3", "w2", "w4", "gpt2", "w5", "s3sim", "scale", "async", "fresh")
 #: Left out of ``--smoke`` unless named with ``--only`` (CI's smoke run stays short).
 SMOKE_SKIP = {"gpt2", "w5", "s3sim"}
 

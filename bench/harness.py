@@ -126,7 +126,7 @@ def _recv(proc: subprocess.Popen[str], deadline: float) -> dict[str, Any]:
 
 def run_group(task: str, world: int, args: dict[str, Any], *, reps: int = 3, warmup: int = 1,
               budget_s: float = 120.0, timeout_s: float = 900.0, env: dict[str, str] | None = None,
-              ranks: list[int] | None = None) -> Measurement:
+              ranks: list[int] | None = None, settle_s: float = 0.0) -> Measurement:
     """Run ``task`` in ``world`` fresh processes and time it.
 
     Parameters
@@ -146,6 +146,10 @@ def run_group(task: str, world: int, args: dict[str, Any], *, reps: int = 3, war
         Extra environment variables for the workers.
     ranks : list of int, optional
         Run only these ranks of a ``world``-rank group.
+    settle_s : float
+        Pause before each timed run (after ``os.sync``): memory the last group freed
+        goes back to a VM's host meanwhile (free page reporting, about 2 s), so a run
+        does not get cheaper fresh memory for following another (docs/performance.md).
     """
     deadline = time.monotonic() + timeout_s
     run_env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
@@ -169,6 +173,7 @@ def run_group(task: str, world: int, args: dict[str, Any], *, reps: int = 3, war
             for p in procs:
                 _recv(p, deadline)
             os.sync()
+            time.sleep(settle_s)
             for p in procs:
                 _send(p, "go")
             msgs = [_recv(p, deadline) for p in procs]

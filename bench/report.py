@@ -99,6 +99,15 @@ def targets(rows: list[Row]) -> list[tuple[str, str, bool | None]]:
             ratio(w, save, anchor, "reshard", f"{anchor} / reshard time >= 2", lambda x: x >= 2)
         ratio(w, save, "reshard", "np.save", "reshard / np.save time <= 1.5", lambda x: x <= 1.5)
     ratio("W1", "save, 8 ranks, fsynced", "dcp", "reshard", "dcp / reshard time (>= 1 is better)", lambda x: x >= 1)
+    from bench.fresh import CASES  # the user's way (issue 28): fresh processes, defaults
+
+    for w, _, _, save, load in CASES:
+        ratio(f"{w.upper()} fresh", save, "dcp", "reshard", "dcp / reshard time >= 1.5", lambda x: x >= 1.5)
+        ratio(f"{w.upper()} fresh", load, "dcp", "reshard", "dcp / reshard time >= 3", lambda x: x >= 3)
+    warm, fresh = find(rows, "W1", "save, 8 ranks, fsynced", "reshard"), find(rows, "W1 fresh", CASES[0][3], "reshard")
+    if warm and fresh:
+        x = max(warm.m.median, fresh.m.median) / min(warm.m.median, fresh.m.median)
+        out.append(("W1 durable save, reshard: warm harness and fresh processes within 1.5x", f"{x:.2f}", x <= 1.5))
     w5 = "W5 873 x 64"
     ours, dcp = find(rows, w5, "save, 64 rank writes (8 processes)", "reshard packed"), \
         find(rows, w5, "save, DCP's largest world here", "dcp")

@@ -34,7 +34,8 @@ class Options:
     reps: int = 3
     warmup: int = 1
     full: bool = False
-    only: set[str] = field(default_factory=lambda: {"w1", "w2", "w3", "w4", "gpt2", "w5", "s3sim", "scale", "async"})
+    only: set[str] = field(default_factory=lambda: {"w1", "w2", "w3", "w4", "gpt2", "w5", "s3sim", "scale", "async",
+                                                    "fresh"})
     anchors: set[str] = field(default_factory=set)
     budget_s: float = 60.0
 
@@ -406,11 +407,18 @@ class Runner:
             shutil.rmtree(self.dir(f"size {label}-reshard"), ignore_errors=True)
             shutil.rmtree(self.dir(f"size {label}-np"), ignore_errors=True)
 
+    def fresh(self) -> None:
+        """W1 and W3 the user's way: fresh processes per save and load, defaults (:mod:`bench.fresh`)."""
+        from bench import fresh
+
+        fresh.run(self)
+
     def all(self) -> list[Row]:
         only = self.opts.only
         steps = [("w1", lambda: self.w1(self.opts.cfg["w1"])), ("w3", self.w3), ("w2", self.w2), ("w4", self.w4),
                  ("gpt2", self.gpt2), ("w5", self.w5), ("s3sim", self.s3sim),
-                 ("scale", self.scale_ranks), ("scale", self.scale_size), ("async", self.async_save)]
+                 ("scale", self.scale_ranks), ("scale", self.scale_size), ("async", self.async_save),
+                 ("fresh", self.fresh)]
         for key, step in steps:
             if key in only:
                 print(f"[{key}]", flush=True)

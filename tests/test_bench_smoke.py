@@ -58,6 +58,11 @@ def test_table_has_the_expected_rows(smoke: dict[str, Any]) -> None:
         ("W4", "partial load: rank 0 of 7", "reshard"),
         ("scaling", "ranks 64 -> 56: plan, all ranks", "reshard"),
         ("scaling", "ranks 64 -> 56: load, all ranks", "reshard"),
+        # the user's way (issue 28): fresh processes per save and load, defaults
+        ("W1 fresh", "save, 8 fresh processes, defaults", "reshard"),
+        ("W1 fresh", "redivided load 8 -> 7, fresh processes", "reshard"),
+        ("W3 fresh", "save, tp4 x dp2, fresh processes, defaults", "reshard"),
+        ("W3 fresh", "redivided load to tp2 x dp3, fresh", "reshard"),
     ]
     for key in want:
         _row(rows, *key)

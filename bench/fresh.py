@@ -1,0 +1,139 @@
+"""The user's way of measuring: every save and every load in freshly spawned processes, at defaults.
+
+The warm harness (:mod:`bench.workloads`) times the third of four runs of one
+group of processes. A user compares libraries differently (issue 28): spawn 8
+processes, each builds its piece, a barrier, one timed save, a barrier, rank 0
+commits; once. This module measures that way, beside the warm harness:
+
+- one fresh group of processes per measurement (no warmup run: imports done,
+  but the first save or load of each process is the one timed);
+- each saving process builds the *whole* tensors (:func:`bench.data.fill`) and
+  keeps them, as the issue's script does: reshard gets its pieces as
+  ``np.ascontiguousarray(full[region])`` (views where the region is contiguous),
+  DCP as ``distribute_tensor(full, mesh, placements)`` (gloo);
+- both libraries at their defaults: ``create(url, layouts).write(rank, piece)``
+  (durable: fsynced), ``dcp.save(state, checkpoint_id=url)`` (``sync_files=True``);
+  loads are the redivided loads of the warm harness (W1 8 -> 7 ranks, W3 tp4 x dp2
+  -> tp2 x dp3), read from a warm page cache (the files are read by ``cat`` first);
+- reshard and DCP alternate (A B A B ...), ``reps`` times each, every run after
+  a pause of ``SETTLE_S`` (see :func:`bench.harness.run_group`); the rows give the
+  median, min and max.
+"""
+
+from __future__ import annotations
+
+import shutil
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from bench import data, tasks_dcp, tasks_reshard
+from bench.harness import Ctx, Measurement, Task, free_port, run_group
+from bench.tasks_plain import files_under, time_cat
+
+if TYPE_CHECKING:
+    from bench.workloads import Runner
+
+#: (workload, saving mesh, target mesh, save phase, load phase) of the fresh rows.
+CASES = (("w1", [8], [7], "save, 8 fresh processes, defaults", "redivided load 8 -> 7, fresh processes"),
+         ("w3", [2, 4], [3, 2], "save, tp4 x dp2, fresh processes, defaults", "redivided load to tp2 x dp3, fresh"))
+
+
+#: Pause before each timed run: fresh memory costs the same whichever system ran before (harness.run_group).
+SETTLE_S = 3.0
+
+
+class ReshardSave(Task):
+    """``create(url, layouts).write(rank, piece)`` at defaults; rank 0 commits once every rank wrote."""
+
+    def __init__(self, ctx: Ctx) -> None:
+        import reshard.store as rs
+
+        self.rs, self.ctx, self.url = rs, ctx, ctx.args["url"]
+        self.layouts = tasks_reshard._layouts(ctx.args, "mesh")
+        self.ranks = sorted(set().union(*(lay.ranks for lay in self.layouts.values())))
+        specs = data.tensors(ctx.args["workload"], ctx.args["cfg"])
+        self.full = {s.name: data.fill(s.index, data.whole(s.shape), s.dtype) for s in specs}
+        self.local = {n: np.ascontiguousarray(self.full[n][lay.region(ctx.rank)])
+                      for n, lay in self.layouts.items() if ctx.rank in lay.ranks}
+
+    def prepare(self, rep: int) -> None:
+        if self.ctx.rank == 0:
+            shutil.rmtree(self.url, ignore_errors=True)
+
+    def run(self, rep: int) -> dict[str, Any]:
+        writer = self.rs.create(self.url, self.layouts)
+        writer.write(self.ctx.rank, self.local)
+        if self.ctx.rank == 0:  # the barrier the user's script has before rank 0 commits
+            tasks_reshard.wait_written(writer, self.ranks, poll=0.001)
+            writer.commit()
+        return writer.storage.stats.as_dict()
+
+
+class DcpSave(tasks_dcp._Sharded):
+    """``dcp.save(state, checkpoint_id=url)`` at defaults, of ``distribute_tensor(full, mesh, placements)``."""
+
+    def __init__(self, ctx: Ctx) -> None:
+        from torch.distributed.tensor import distribute_tensor
+
+        super().__init__(ctx, "mesh")
+        self.full = {s.name: tasks_dcp._torch_tensor(data.fill(s.index, data.whole(s.shape), s.dtype))
+                     for s in self.specs}
+        self.state = {s.name: distribute_tensor(self.full[s.name], self.mesh, self.placements[s.name])
+                      for s in self.specs}
+
+    def prepare(self, rep: int) -> None:
+        if self.ctx.rank == 0:
+            shutil.rmtree(self.ctx.args["url"], ignore_errors=True)
+
+    def run(self, rep: int) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self.state, checkpoint_id=self.ctx.args["url"])  # ends with a collective: the ranks finish together
+
+
+def run(runner: Runner) -> None:
+    """The fresh rows of every case, reshard and DCP interleaved, ``runner.opts.reps`` runs each."""
+    opts = runner.opts
+    systems = ["reshard", *(["dcp"] if "dcp" in opts.anchors else [])]
+    for workload, mesh, target, save, load in CASES:
+        cfg = opts.cfg[workload]
+        size = data.total_bytes(data.tensors(workload, cfg))
+        label = f"{workload.upper()} fresh"
+        base = {"workload": workload, "cfg": cfg, "mesh": mesh, "target": target}
+        urls = {s: runner.dir(f"{label.replace(' ', '-')}-{s}") for s in systems}
+        saves = {"reshard": "bench.fresh:ReshardSave", "dcp": "bench.fresh:DcpSave"}
+        loads = {"reshard": "bench.tasks_reshard:Load", "dcp": "bench.tasks_dcp:Load"}
+        _interleaved(runner, label, save, systems, saves, base, urls, len(_ranks(mesh)), size)
+        for s in systems:  # loads read a warm page cache, every system alike (as the warm harness)
+            time_cat(files_under(urls[s]), 1, 0)
+        _interleaved(runner, label, load, systems, loads, base, urls, len(_ranks(target)), size)
+
+
+def _ranks(mesh: list[int]) -> range:
+    return range(int(np.prod(mesh)))
+
+
+def _interleaved(runner: Runner, label: str, phase: str, systems: list[str], tasks: dict[str, str],
+                 base: dict[str, Any], urls: dict[str, str], world: int, size: int) -> None:
+    """``reps`` rounds of one fresh group per system (A B A B ...); one row per system."""
+    from bench.workloads import Row
+
+    got = {s: Measurement() for s in systems}
+    for _ in range(runner.opts.reps):
+        for s in systems:
+            args = {**base, "url": urls[s], **({"port": free_port()} if s == "dcp" else {})}
+            m = run_group(tasks[s], world, args, reps=1, warmup=0, budget_s=runner.opts.budget_s,
+                          settle_s=0.0 if runner.opts.cfg is data.SMOKE else SETTLE_S)
+            into = got[s]
+            into.times += m.times
+            into.peak_rss, into.base_rss = max(into.peak_rss, m.peak_rss), max(into.base_rss, m.base_rss)
+            into.extra = m.extra
+            into.error = into.error or m.error
+    for s in systems:
+        m = got[s]
+        note = "fresh processes, A B A B; " + ("durable=True (default)" if s == "reshard" and "save" in phase
+                                               else "sync_files=True (default)" if "save" in phase else "")
+        runner.rows.append(Row(label, phase, s, m, size, note.strip("; ")))
+        print(f"  {label:<8} {phase:<34} {s:<8} " + (f"{m.median:8.3f} s {m.times}" if m.ok else f"FAILED {m.error}"),
+              flush=True)
