@@ -91,3 +91,19 @@ def test_bad_arguments(url: str) -> None:
         ckpt.load(_target, 0, device="cpu")
     with pytest.raises(ValueError, match="as_='torch'"):
         ckpt.load(_target, 0, pin_memory=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (runs on the lent GPU machine)")
+def test_cuda_device_loads_and_out_tensors_on_the_gpu(url: str) -> None:
+    ckpt = rs.open(url)
+    for rank in range(3):
+        got = ckpt.load(_target, rank, as_="torch", device="cuda")
+        for name in ("w", "b", "s", "opt.m"):
+            tensor = got["opt"]["m"] if name == "opt.m" else got[name]
+            assert tensor.device.type == "cuda" and str(tensor.dtype) == f"torch.{ckpt[name].meta.dtype}", name
+            want = ckpt.read(name, _target(name, ckpt[name].meta.shape).region(rank))
+            np.testing.assert_array_equal(rt.to_numpy(tensor.cpu()), want, err_msg=name)
+    out = torch.full((3, 5), -1.0, device="cuda")
+    got = ckpt.load({"w": _target("w", (7, 5))}, 0, as_="torch", out={"w": out})
+    assert got["w"] is out
+    np.testing.assert_array_equal(out.cpu().numpy(), STATE["w"][:3])
