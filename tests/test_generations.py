@@ -393,3 +393,27 @@ def test_gc_of_a_missing_path_is_an_error(tmp_path, capsys):
     done = subprocess.run([sys.executable, "-m", "reshard.store.cli", "gc", str(tmp_path / "typo")],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "no checkpoint here" in done.stderr
+
+
+def test_leases_renewed_at_once_by_many_writers_stay_whole(tmp_path):
+    """Ranks in many processes write one generation's lease at once: it is always one whole JSON document."""
+    import threading
+
+    from reshard.store.commit.locks import LEASE_KEY, Lease
+    from reshard.store.io.storage import Storage
+
+    root = Storage(str(tmp_path / "ck"))
+    start = threading.Barrier(8)
+
+    def writer() -> None:
+        start.wait(timeout=30)
+        for _ in range(200):
+            Lease(root, "gen-1").renew()  # a new writer each time: its first renew writes the lease
+
+    threads = [threading.Thread(target=writer) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert set(json.loads(root.child("gen-1").read(LEASE_KEY))) == {"time", "host", "pid"}
+    assert sorted(p.name for p in (tmp_path / "ck" / "gen-1" / ".reshard").iterdir()) == ["lease.json"]

@@ -94,7 +94,7 @@ class Lease:
             if not due:
                 return
             body = json.dumps({"time": time.time(), "host": socket.gethostname(), "pid": os.getpid()}).encode()
-            self.root.child(self.generation).write(LEASE_KEY, body)
+            self.root.child(self.generation).write_atomic(LEASE_KEY, body)  # ranks of many processes renew it
             self._renewed = now
 
 
