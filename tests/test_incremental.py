@@ -248,3 +248,12 @@ def test_back_to_back_async_incremental_saves_with_retention_all_commit(tmp_path
         mgr.wait(committed=True, timeout=60)
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["manager.json", "step-9"]
     check(f"{url}/step-9", state(9, frozen_seed=1))
+
+
+@pytest.mark.parametrize("engine", ["zarr", "fast"])
+def test_an_incremental_step_opened_by_a_relative_path_reads_its_base(tmp_path, monkeypatch, engine):
+    """zarr's engine resolves references into the checkpoint beside through ``Storage.parent_url``."""
+    monkeypatch.chdir(tmp_path)
+    save(str(tmp_path / "step-1"), state(1))
+    save(str(tmp_path / "step-2"), state(2), base=str(tmp_path / "step-1"))
+    check("step-2", state(2), engine=engine)  # the folder named alone: its parent is the working directory

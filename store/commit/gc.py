@@ -171,13 +171,9 @@ def sibling_references(root: Storage) -> set[str]:
     would not know what it needs.
     """
     name = root.url.rsplit("/", 1)[-1]
-    if root.local:
-        parent_url = os.path.dirname(root.root)
-    elif "/" in root.url.split("://", 1)[-1].strip("/"):
-        parent_url = root.url.rsplit("/", 1)[0]
-    else:
+    if root.parent_url is None:
         return set()  # the root is a bucket or a host: it has no siblings
-    parent = Storage(parent_url, root.options)
+    parent = Storage(root.parent_url, root.options)
     prefix = f"../{name}/"
     out: set[str] = set()
     for sibling in parent.list(""):

@@ -103,8 +103,13 @@ class Storage:
 
     @property
     def parent_url(self) -> str | None:
-        """The URL of the folder keys ``../<name>/...`` lead to (None: there is none on this host or bucket)."""
-        return None if self._parent is None else self.url.rsplit("/", 1)[0]
+        """The URL of the folder keys ``../<name>/...`` lead to (None: there is none on this host or bucket).
+
+        Locally its absolute path (the URL may be a bare relative name, ``step-2``).
+        """
+        if self._parent is None or self.local:
+            return self._parent
+        return self.url.rsplit("/", 1)[0]
 
     def check_object(self, key: str) -> None:
         """Check ``key`` is one reshard may read (confined; locally a regular file reached through no link)."""
