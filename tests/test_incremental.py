@@ -135,16 +135,21 @@ def test_an_overwrite_reuses_the_replaced_generation_and_gc_keeps_what_it_refere
     check(url, state(3, frozen_seed=1))
 
 
-def test_a_manager_keeps_referenced_objects_of_steps_retention_dropped(tmp_path):
-    url = str(tmp_path / "run")
+def _three_steps_keeping_one(url: str) -> list[int]:
+    """Steps 1-3 of an incremental manager that keeps one step; the steps it lists at the end."""
     with rs.CheckpointManager(url, L, max_to_keep=1, incremental=True, async_save=False) as mgr:
         for step in (1, 2, 3):
             for rank in range(RANKS):
                 mgr.save(step, rank, local(state(step), rank))
             mgr.wait(committed=True, timeout=60)
-        assert mgr.steps() == [3]
-        index = json.loads((tmp_path / "run/manager.json").read_text())
-        assert index["steps"][-1]["refs"] == [1]  # the frozen bytes are step 1's, whatever step 2 did
+        return mgr.steps()
+
+
+def test_a_manager_keeps_referenced_objects_of_steps_retention_dropped(tmp_path):
+    url = str(tmp_path / "run")
+    assert _three_steps_keeping_one(url) == [3]
+    index = json.loads((tmp_path / "run/manager.json").read_text())
+    assert index["steps"][-1]["refs"] == [1]  # the frozen bytes are step 1's, whatever step 2 did
     # steps 1 and 2 are gone as checkpoints; step 1's referenced objects stay
     with pytest.raises((CheckpointNotFoundError, UncommittedCheckpointError)):  # its marker is gone
         rs.open(str(tmp_path / "run/step-1"))
@@ -204,11 +209,7 @@ def test_a_commit_refuses_references_to_objects_deleted_meanwhile(tmp_path):
 # ------------------------------------------------------------ issue 23: gc and retention follow references
 def test_gc_of_a_retired_step_keeps_what_later_steps_reference(tmp_path):
     url = str(tmp_path / "run")
-    with rs.CheckpointManager(url, L, max_to_keep=1, incremental=True, async_save=False) as mgr:
-        for step in (1, 2, 3):
-            for rank in range(RANKS):
-                mgr.save(step, rank, local(state(step), rank))
-            mgr.wait(committed=True, timeout=60)
+    _three_steps_keeping_one(url)
     assert (tmp_path / "run/step-1").exists()  # retired: step 3 references its frozen bytes
     done = cli("gc", f"{url}/step-1", "--min-age", "0")
     assert done.returncode == 0, done.stderr
