@@ -254,7 +254,17 @@ class Layout:
         return [sorted({iv for iv in dim if iv[0] < iv[1]}) for dim in info.intervals]
 
     def owner(self, point: Sequence[int]) -> int:
-        """The rank that writes the block holding the element at `point` (its replica 0).
+        """The first holder (replica 0) of the block holding the element at `point`.
+
+        Raises
+        ------
+        LayoutError
+            If `point` lies outside the tensor.
+        """
+        return self.holders(point)[0]
+
+    def holders(self, point: Sequence[int]) -> tuple[int, ...]:
+        """The ranks holding the block that holds the element at `point`, by replica id (replica 0 first).
 
         Raises
         ------
@@ -264,15 +274,15 @@ class Layout:
         point = tuple(point)
         if len(point) != self.ndim or not all(0 <= x < n for x, n in zip(point, self.shape, strict=True)):
             raise LayoutError(f"point {list(point)} lies outside shape {list(self.shape)}")
-        if self._whole:  # every rank holds the whole tensor: replica 0 is the first
-            return self.ranks[0]
+        if self._whole:  # every rank holds the whole tensor, in mesh order
+            return self.ranks
         starts = self._piece_starts
-        if starts is not None:  # mesh layouts: the piece of each dim, then the cell's first holder
+        if starts is not None:  # mesh layouts: the piece of each dim, then the cell's holders
             cell = tuple(index[bisect.bisect_right(lo, x) - 1] for (lo, index), x in zip(starts, point, strict=True))
-            return self._info.info.holders[cell][0]  # type: ignore[union-attr]
+            return self._info.info.holders[cell]  # type: ignore[union-attr]
         for b in self.blocks():
             if all(s.start <= x < s.stop for s, x in zip(b.region, point, strict=True)):
-                return next(r for r in b.ranks if self.replica_id(r) == 0)
+                return b.ranks
         raise LayoutError(f"no block of {self.describe()} holds point {list(point)}")  # pragma: no cover
 
     @cached_property

@@ -9,7 +9,7 @@ rank's part touches the shards of a few source ranks only, so reshard's reader
 locates shards through the manifests of those ranks (:class:`ByRanks`: one
 ranged read of each, in parallel, on first use): the bytes read grow with what
 is loaded, not with the checkpoint. The owner of a shard follows from the
-tensor's layout (:meth:`reshard.layouts.Layout.owner`), no listing needed.
+tensor's layout and grid (:meth:`reshard.store.format.meta.ArrayMeta.writer`), no listing needed.
 
 Saves whose shards were written by single-process block writers (importers,
 ``convert``, ``redivide``) record them elsewhere than the owner's manifest;
@@ -129,7 +129,7 @@ class ByRanks:
         return self._by_references.references(stats)
 
     def locate_all(self, shards: Sequence[Shard]) -> tuple[list[Location], IOStats]:
-        owners = [meta.layout.owner(tuple(s.start for s in meta.shard_region(idx))) for meta, idx, _ in shards]
+        owners = [meta.writer(idx) for meta, idx, _ in shards]
         with self._lock:
             missing = sorted(set(owners) - set(self._located))
         stats = IOStats()

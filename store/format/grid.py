@@ -28,6 +28,16 @@ Which one a layout gets (:func:`choose_grid`):
   ``ceil(size / pieces)`` per dimension, whatever ``grid`` says: one writer
   holds every shard anyway, and the regular grid keeps larger inner chunks.
 
+* A regular layout whose blocks have **several holders** (data-parallel
+  replicas: DDP, HSDP, TP x DP) is, by default (``balance=True``), cut further:
+  each block into ``p <= R`` equal sub-shards along one dimension, ``p`` the
+  largest divisor of that edge not above its holder count ``R`` (the dimension
+  giving the most pieces; no cut below :data:`MIN_BALANCED_ELEMENTS` per piece).
+  Sub-shard ``j`` of a block is written by the block's holder of replica id
+  ``j`` (:func:`shard_writer`), so the replicas share the writing with no
+  communication: the grid and the writers follow from the layout alone. Still a
+  regular grid, so every zarr v3 reader reads it.
+
 The inner chunk must divide every shard edge, so under a rectilinear grid it
 divides the gcd of each dimension's edge lengths (a balanced split's edges
 differ by one: whole rows, or one row, per inner chunk).
@@ -47,6 +57,10 @@ from typing import Any
 
 from reshard.layouts import Layout
 from reshard.layouts.errors import FormatError
+
+#: A replicated block is cut among its holders only into pieces of at least this many elements (below it
+#: one more object per piece costs more than the write it spreads; dtype-free, so readers check it alike).
+MIN_BALANCED_ELEMENTS = 1 << 15
 
 #: ``grid=`` values accepted by the writer.
 GRID_CHOICES = ("exact", "regular")
@@ -203,18 +217,19 @@ def _expand(spec: Any, size: int) -> tuple[int, ...]:
 
 # ------------------------------------------------------------ which grid
 def allowed_grids(layout: Layout) -> list[Grid]:
-    """Every grid a tensor saved under ``layout`` may have been written with (exact, gcd, piece count).
+    """Every grid a tensor saved under ``layout`` may have been written with (block, balanced, exact, gcd,
+    piece count).
 
     What ``commit`` and ``open`` accept: an edited grid would read other shards' bytes.
     """
     if not layout.shape or layout.is_regular():
-        return [choose_grid(layout)]
+        return list(dict.fromkeys([choose_grid(layout), choose_grid(layout, balance=True)]))
     return [choose_grid(layout, "exact", regular=False), choose_grid(layout, "regular", regular=False),
             choose_grid(layout, single_writer=True, regular=False)]
 
 
 def choose_grid(layout: Layout, grid: str = "exact", single_writer: bool = False,
-                regular: bool | None = None) -> Grid:
+                regular: bool | None = None, balance: bool = False) -> Grid:
     """The shard grid a tensor saved under ``layout`` gets (see the module docstring).
 
     Parameters
@@ -229,6 +244,9 @@ def choose_grid(layout: Layout, grid: str = "exact", single_writer: bool = False
         grid of its piece count.
     regular : bool, optional
         ``layout.is_regular()``, when the caller knows it already.
+    balance : bool
+        A regular layout's replicated blocks are cut into one sub-shard per
+        holder (:func:`balanced_grid`); ignored with ``single_writer``.
     """
     if grid not in GRID_CHOICES:
         raise ValueError(f"grid must be one of {GRID_CHOICES}, got {grid!r}")
@@ -236,9 +254,11 @@ def choose_grid(layout: Layout, grid: str = "exact", single_writer: bool = False
     if not shape:
         return Grid((), ())
     if layout.is_regular() if regular is None else regular:
-        if all(shape):  # the first block's shape: it starts at 0 and ends at each dim's first boundary after 0
-            return Grid(shape, tuple(layout.boundaries(d)[1] for d in range(len(shape))))
-        return Grid(shape, tuple(max(1, n) for n in shape))
+        if not all(shape):
+            return Grid(shape, tuple(max(1, n) for n in shape))
+        # the first block's shape: it starts at 0 and ends at each dim's first boundary after 0
+        blocks = Grid(shape, tuple(layout.boundaries(d)[1] for d in range(len(shape))))
+        return balanced_grid(layout, blocks) if balance and not single_writer else blocks
     bounds = [layout.boundaries(d) for d in range(len(shape))]
     if single_writer:
         return Grid(shape, tuple(max(1, -(-n // max(1, len(b) - 1))) for n, b in zip(shape, bounds, strict=True)))
@@ -248,3 +268,55 @@ def choose_grid(layout: Layout, grid: str = "exact", single_writer: bool = False
     if all(len(e) == 1 or (len(set(e[:-1])) == 1 and e[-1] <= e[0]) for e in edges):
         return Grid(shape, tuple(e[0] for e in edges))  # the boundaries are a regular grid after all
     return Grid(shape, tuple(max(e) for e in edges), edges)
+
+
+def balanced_grid(layout: Layout, blocks: Grid) -> Grid:
+    """A regular layout's block grid with each block cut into one sub-shard per holder, where it can be.
+
+    Along the dimension that allows the most pieces: ``p``, the largest divisor
+    of the block's edge that is at most the holder count and leaves pieces of
+    at least :data:`MIN_BALANCED_ELEMENTS` (the first such dimension on a tie).
+    ``blocks`` itself when no cut helps (one holder, a small block, a prime edge).
+    """
+    cell = blocks.shard
+    replicas = len(layout.holders((0,) * len(cell)))
+    size = math.prod(cell)
+    best, dim = 1, 0
+    for d, n in enumerate(cell):
+        p = next((k for k in range(min(replicas, n), best, -1)
+                  if n % k == 0 and size // k >= MIN_BALANCED_ELEMENTS), 1)
+        if p > best:
+            best, dim = p, d
+    if best == 1:
+        return blocks
+    return Grid(blocks.shape, tuple(n // best if d == dim else n for d, n in enumerate(cell)))
+
+
+def shard_writer(layout: Layout, grid: Grid, index: tuple[int, ...]) -> int:
+    """The rank that writes the shard at ``index`` of ``grid``.
+
+    A sub-shard of a balanced grid (:func:`balanced_grid`): the holder of its
+    block whose replica id is the sub-shard's position in the block; any other
+    shard: its block's replica 0.
+    """
+    start = tuple(grid.start(d, i) for d, i in enumerate(index))
+    holders = layout.holders(start)
+    if grid.edges is None and len(holders) > 1 and layout.is_regular():
+        for d, (s, x) in enumerate(zip(grid.shard, start, strict=True)):
+            cell = layout.boundaries(d)[1]
+            if s < cell:  # the cut dimension: the shard's position in its block
+                return holders[(x % cell) // s % len(holders)]
+    return holders[0]
+
+
+def writes_any(layout: Layout, rank: int, balance: bool = True) -> bool:
+    """Whether ``rank`` writes any shard of a tensor its ranks save under ``layout`` (a replica that writes
+    none may pass a stand-in, never copied)."""
+    if not (balance and layout.shape and layout.is_regular()):
+        return layout.replica_id(rank) == 0
+    return writes_in(layout, choose_grid(layout, balance=True), rank)
+
+
+def writes_in(layout: Layout, grid: Grid, rank: int) -> bool:
+    """Whether ``rank`` writes any shard of ``grid`` (:func:`shard_writer`)."""
+    return any(shard_writer(layout, grid, idx) == rank for idx in grid.shards_in(layout.region(rank)))

@@ -24,7 +24,7 @@ from reshard.layouts.errors import DTypeMismatchError, FormatError, UncommittedC
 
 from ..io import pool
 from ..io.storage import Storage
-from .grid import Grid, allowed_grids, choose_grid
+from .grid import Grid, allowed_grids, choose_grid, writes_in
 from .meta import FORMAT_VERSION, META_DIR, ArrayMeta
 from .refs import PACKED_DIR, rank_object, trailer_lengths
 from .schema import MAX_DOCUMENT_BYTES, check_manifest, check_names, check_tensors, loads_json
@@ -205,13 +205,24 @@ def describe_missing(url: str, missing: list[int], manifests: dict[int, dict[str
     for m in manifests.values():
         for name, t in m["tensors"].items():
             layout = Layout.from_json(t["layout"])
-            if any(layout.replica_id(r) == 0 and math.prod(layout.local_shape(r)) > 0
+            grid = _recorded_grid(layout, t)
+            if any(math.prod(layout.local_shape(r)) > 0 and writes_in(layout, grid, r)
                    for r in missing if r in layout.ranks):
                 lost.add(name)
     names = sorted(lost)
     shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
     return (f"{url}: checkpoint is not committed: ranks {missing} have not written"
             + (f"; tensors without their data: {shown}" if names else ""))
+
+
+def _recorded_grid(layout: Layout, record: dict[str, Any]) -> Grid:
+    """The shard grid a manifest's tensor record names, unchecked (for messages; the gcd grid if none)."""
+    try:
+        edges = record.get("edges")
+        return Grid(tuple(layout.shape), tuple(record["shard"]),
+                    None if edges is None else tuple(tuple(e) for e in edges))
+    except (KeyError, TypeError):
+        return choose_grid(layout, "regular")
 
 
 def merge_manifests(url: str, manifests: dict[int, dict[str, Any]], *,

@@ -19,7 +19,7 @@ from reshard.layouts import Layout
 from reshard.layouts.errors import BadNameError, FormatError
 
 from .dtypes import numpy_dtype
-from .grid import Grid, allowed_grids
+from .grid import Grid, allowed_grids, shard_writer
 from .schema import check_array
 
 #: Version of the reshard layer on top of zarr v3 (attributes, marker, manifests).
@@ -301,6 +301,10 @@ class ArrayMeta:
         head = f"{self.path}/c/"
         for parts in itertools.product(*([str(i) for i in range(n)] for n in self.grid)):
             yield head + "/".join(parts)
+
+    def writer(self, index: tuple[int, ...]) -> int:
+        """The rank that writes the shard at ``index`` (:func:`reshard.store.format.grid.shard_writer`)."""
+        return shard_writer(self.layout, self.chunk_grid, index)
 
     def shard_region(self, index: tuple[int, ...]) -> tuple[slice, ...]:
         """Global region of a shard, clipped to the array."""

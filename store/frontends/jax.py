@@ -29,6 +29,7 @@ from reshard.layouts.errors import (
     TensorNotFoundError,
 )
 
+from ..format.grid import writes_any
 from ..format.meta import ArrayMeta
 from ..format.tree import to_json, unflatten
 from ..read.checkpoint import Checkpoint
@@ -121,7 +122,7 @@ def save(pytree: Any, url: str, **options: Any) -> CheckpointWriter:
     ranks = sorted(local_ids & set().union({home}, *(lay.ranks for lay in layouts.values())))
     writer = create(url, layouts, **options)
     for rank in ranks:
-        writer.write(rank, {**leaves, **_pieces(rank, layouts, arrays)})
+        writer.write(rank, {**leaves, **_pieces(rank, layouts, arrays, writer)})
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
@@ -133,7 +134,8 @@ def save(pytree: Any, url: str, **options: Any) -> CheckpointWriter:
     return writer
 
 
-def _pieces(rank: int, layouts: dict[str, Layout], arrays: dict[str, Any]) -> dict[str, Any]:
+def _pieces(rank: int, layouts: dict[str, Layout], arrays: dict[str, Any], writer: CheckpointWriter
+            ) -> dict[str, Any]:
     """Device ``rank``'s local arrays, as the writer expects them."""
     out = {}
     for name, layout in layouts.items():
@@ -147,9 +149,9 @@ def _pieces(rank: int, layouts: dict[str, Layout], arrays: dict[str, Any]) -> di
         if _region(shard.index, value.shape) != layout.region(rank):
             raise LayoutError(f"array {name!r}: device {rank} holds {shard.index}, "
                               f"its layout {layout.describe()} says {layout.region(rank)}")
-        if layout.replica_id(rank) == 0:
+        if writes_any(layout, rank, writer.balance):
             out[name] = np.asarray(shard.data)
-        else:  # replicas write nothing: a stand-in of the right shape and dtype, no device->host copy
+        else:  # a replica writing nothing of it: a stand-in of the right shape and dtype, no device->host copy
             out[name] = np.broadcast_to(np.zeros((), dtype=value.dtype), layout.local_shape(rank))
     return out
 

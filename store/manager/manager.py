@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 from reshard.layouts.errors import CheckpointNotFoundError, UncommittedCheckpointError
 
+from ..format.grid import writes_any
 from ..format.manifests import read_manifest
 from ..format.tree import LayoutSpec, flatten, resolve_layout, to_json
 from ..io.storage import Storage
@@ -241,13 +242,14 @@ class CheckpointManager:
                 commit.set_exception(e)
 
     def _replicas(self, rank: int, tensors: dict[str, Any]) -> dict[str, np.ndarray]:
-        """Zero-stride stand-ins for the pieces ``rank`` holds as a replica (replica 0 writes them)."""
+        """Zero-stride stand-ins for the pieces ``rank`` holds as a replica and writes nothing of."""
         if not isinstance(self.layouts, Mapping):
             return {}
         out = {}
+        balance = self.options.get("balance", True)
         for name, value in tensors.items():
             layout = self.layouts.get(name)
-            if layout is not None and rank in layout.ranks and layout.replica_id(rank) != 0:
+            if layout is not None and rank in layout.ranks and not writes_any(layout, rank, balance):
                 shape = tuple(int(n) for n in value.shape)
                 out[name] = np.broadcast_to(np.zeros((), dtype=host_dtype(value)), shape)
         return out

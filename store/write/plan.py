@@ -42,6 +42,7 @@ class Settings:
     checksums: bool
     compression: str | None
     single_writer: bool = False
+    balance: bool = True
 
 
 @dataclass(frozen=True)
@@ -53,12 +54,13 @@ class RankPart:
     local_shape : tuple of int
         The shape of the rank's local piece.
     writes : bool
-        Whether the rank writes its block (it is replica 0 of it).
+        Whether the rank writes any shard of its block.
     region : tuple of slice
         The block's global region.
     shards : tuple
         ``(grid index, slices of the block holding the shard, its encoding)`` per shard
-        the block covers (:func:`~reshard.store.format.encode.shard_encoding`, hashed
+        of the block the rank writes (:meth:`~reshard.store.format.meta.ArrayMeta.writer`;
+        the encoding from :func:`~reshard.store.format.encode.shard_encoding`, hashed
         with the values).
     """
 
@@ -85,20 +87,22 @@ class TensorPlan:
             if rank not in layout.ranks:
                 raise RankError(f"tensor {meta.name!r}: rank {rank} is not among the layout's ranks")
             region = layout.region(rank)
-            part = RankPart(layout.local_shape(rank), layout.replica_id(rank) == 0, region,
-                            block_shards(meta, region))
+            shards = block_shards(meta, region, rank)
+            part = RankPart(layout.local_shape(rank), bool(shards), region, shards)
             if _cache.parts < MAX_PARTS:
                 self.parts[rank] = part
                 _cache.parts += 1  # a lost count under a race only lets a few more parts be kept
         return part
 
 
-def block_shards(meta: ArrayMeta, region: tuple[slice, ...]
+def block_shards(meta: ArrayMeta, region: tuple[slice, ...], rank: int | None = None
                  ) -> tuple[tuple[tuple[int, ...], tuple[Any, ...], bytes], ...]:
-    """The shards a block of ``region`` covers: (grid index, the slices of the block's array holding it,
-    its encoding) each."""
+    """The shards a block of ``region`` covers (those ``rank`` writes, if given): (grid index, the slices of
+    the block's array holding it, its encoding) each."""
     out = []
     for idx in meta.shards_in(region):
+        if rank is not None and meta.writer(idx) != rank:
+            continue
         within = tuple(slice(s.start - r.start, s.stop - r.start) for s, r in zip(meta.shard_region(idx), region,
                                                                                    strict=True))
         out.append((idx, (*within, ...), shard_encoding(meta, idx)))  # the Ellipsis keeps 0-d an array
@@ -136,7 +140,7 @@ def tensor_plan(name: str, layout: Layout, dtype: str, settings: Settings) -> Te
 def array_meta(name: str, layout: Layout, dtype: str, settings: Settings) -> ArrayMeta:
     """The array record a tensor is stored with (the shard grid by
     :func:`reshard.store.format.grid.choose_grid`, the inner chunk by size)."""
-    grid = choose_grid(layout, settings.grid, settings.single_writer)
+    grid = choose_grid(layout, settings.grid, settings.single_writer, balance=settings.balance)
     shard = grid.shard
     itemsize = numpy_dtype(dtype).itemsize
     size = math.prod(shard) * itemsize

@@ -4,7 +4,9 @@ Protocol (docs/format.md has the full story):
 
 1. Every rank's process calls :func:`create` with the same arguments and
    :meth:`CheckpointWriter.write` with its own rank. A rank writes the shards
-   of the blocks it holds as replica 0 (directory form: one object each;
+   it writes of the blocks it holds (a block held by R replicas is cut into
+   R sub-shards, one per replica: :func:`reshard.store.format.grid.balanced_grid`;
+   directory form: one object each;
    packed form: back to back in one data object), then its manifest
    ``.reshard/ranks/<rank>.json`` (what it holds, with dtypes and layouts, and
    in the packed form where each shard's bytes went).
@@ -76,6 +78,7 @@ class CheckpointWriter:
         buffer_bytes: int = BUFFER_BYTES,
         base: str | None = None,
         durable: bool = True,
+        balance: bool = True,
     ) -> None:
         if engine not in ("fast", "tensorstore"):
             raise ValueError(f"writer engine must be 'fast' or 'tensorstore', got {engine!r}")
@@ -122,7 +125,9 @@ class CheckpointWriter:
         self.checksums = checksums
         self.chunk_bytes = int(chunk_bytes)
         #: What array records depend on, for many writers (index: single_writer).
-        self._settings = tuple(Settings(self.grid, self.chunk_bytes, checksums, compression, single)
+        #: Whether a replicated block is cut among its holders (:func:`reshard.store.format.grid.balanced_grid`).
+        self.balance = bool(balance)
+        self._settings = tuple(Settings(self.grid, self.chunk_bytes, checksums, compression, single, self.balance)
                                for single in (False, True))
         self._written: set[int] = set()
         #: ``{name: (manifest record, array record)}`` of this process's writes: the commit need not parse them again
@@ -226,7 +231,8 @@ class CheckpointWriter:
             manifest["tensors_sha256"] = hashlib.sha256(records).hexdigest()
             packed.write_objects(self.root, objects, trailer(with_digest(manifest), records))
         else:
-            pool.run_all([job for p, arr in mine for job in self._shard_jobs(p.meta, p.at(rank).region, arr)],
+            pool.run_all([job for p, arr in mine for job in self._shard_jobs(p.meta, p.at(rank).region, arr,
+                                                                                 p.at(rank).shards)],
                          self.storage.local)
             self.storage.write_atomic(manifest_key(rank), with_digest(manifest))
         self._written.add(rank)
@@ -303,13 +309,18 @@ class CheckpointWriter:
         """The shards of a block: (record, grid index, the shard's part of ``local``, its encoding) each."""
         return [(meta, idx, local[within], how) for idx, within, how in block_shards(meta, region)]
 
-    def _shard_jobs(self, meta: ArrayMeta, region: tuple[slice, ...], local: np.ndarray) -> list[Any]:
+    def _shard_jobs(self, meta: ArrayMeta, region: tuple[slice, ...], local: np.ndarray,
+                    shards: tuple[Any, ...] | None = None) -> list[Any]:
+        """Jobs writing the shards of a block (``shards``: only these, as :meth:`TensorPlan.at` gives them)."""
+        shards = block_shards(meta, region) if shards is None else shards
         if self.engine == "tensorstore" and meta.shape:
             from ..format.engines import write_with_tensorstore
 
-            return [lambda: write_with_tensorstore(self.storage, meta, region, local)]
-        return [functools.partial(_write_shard, self.storage, m, idx, data)
-                for m, idx, data, _ in self._shards(meta, region, local)]
+            if len(shards) == len(block_shards(meta, region)):  # the whole block: one write
+                return [lambda: write_with_tensorstore(self.storage, meta, region, local)]
+            return [functools.partial(write_with_tensorstore, self.storage, meta, meta.shard_region(idx),
+                                      local[within]) for idx, within, _ in shards]
+        return [functools.partial(_write_shard, self.storage, meta, idx, local[within]) for idx, within, _ in shards]
 
     def _encode(self, shards: list[tuple[ArrayMeta, tuple[int, ...], np.ndarray, bytes]],
                 reuse: Reusable | None = None) -> list[tuple[str, Any, str]]:
@@ -390,8 +401,9 @@ def single_process(options: dict[str, Any]) -> dict[str, Any]:
 
     One process needs no agreement on the save's name, so every save gets a
     generation of its own, and overwriting needs no save_id from the caller.
+    Its blocks are not cut among replicas (``balance``): one process writes them all anyway.
     """
-    return {**options, "save_id": options.get("save_id") or uuid.uuid4().hex[:16]}
+    return {"balance": False, **options, "save_id": options.get("save_id") or uuid.uuid4().hex[:16]}
 
 
 def create(url: str, layouts: LayoutSpec, **options: Any) -> CheckpointWriter:
@@ -439,6 +451,11 @@ def create(url: str, layouts: LayoutSpec, **options: Any) -> CheckpointWriter:
         (power-loss safe; no effect on object stores, whose PUTs are durable).
         False leaves flushing to the OS: a process killed (even with -9) loses
         nothing, a machine losing power may (docs/reliability.md).
+        ``balance`` (default True): a block held by several ranks (data-parallel
+        replicas) is cut into one sub-shard per holder along one dimension, and
+        each holder writes its own (no communication: the cut follows from the
+        layout); False: replica 0 writes the whole block. Each rank must then
+        pass its real piece (a replica's too).
 
     Raises
     ------
