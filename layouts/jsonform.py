@@ -10,6 +10,13 @@ Version 1::
 ``explicit`` (when not null) is a list of ``[rank, offset, local_shape,
 replica_id]``. A contiguous run of ranks is written as ``{"range": [start,
 stop]}`` to keep metadata small for large meshes.
+
+A flattened-range layout (:class:`~reshard.layouts.flat.FlatLayout`) is::
+
+    {"version": 1, "kind": "flat", "shape": [8, 6],
+     "ranges": [[rank, start, stop, replica_id], ...]       # ranges of the whole tensor
+           or  [[rank, offset, block, start, stop, replica_id], ...],   # of (TP-local) blocks
+     "origin": {...} | null}
 """
 
 from __future__ import annotations
@@ -22,11 +29,13 @@ from .errors import FormatError, LayoutError
 
 if TYPE_CHECKING:
     from .core import Layout
+    from .flat import FlatLayout
 
 VERSION = 1
 #: Most mesh positions a stored layout may describe (a bound on what parsing allocates).
 MAX_RANKS = 1 << 24
 _KEYS = {"version", "shape", "mesh", "ranks", "dims", "split", "nested", "opt_shard", "explicit", "origin"}
+_FLAT_KEYS = {"version", "kind", "shape", "ranges", "origin"}
 
 
 def to_json(layout: Layout) -> dict[str, Any]:
@@ -78,6 +87,8 @@ def from_json(obj: Any) -> Layout:
         raise FormatError(f"layout JSON must be an object, got {type(obj).__name__}")
     if obj.get("version") != VERSION:
         raise FormatError(f"layout JSON version {obj.get('version')!r} is not supported (want {VERSION})")
+    if "kind" in obj:
+        return _flat_from_json(obj)
     unknown = set(obj) - _KEYS
     if unknown:
         raise FormatError(f"layout JSON has unknown fields {sorted(unknown)}")
@@ -134,6 +145,48 @@ def from_json(obj: Any) -> Layout:
         if isinstance(e, FormatError):
             raise
         raise FormatError(f"layout JSON describes an impossible layout: {e}") from e
+
+
+def flat_to_json(layout: FlatLayout) -> dict[str, Any]:
+    """The JSON-able dict of a flat layout (short ranges when every block is the whole tensor)."""
+    whole = all(block == layout.shape for _, _, block, _, _, _ in layout.ranges)
+    ranges = [[rank, start, stop, rid] if whole else [rank, list(off), list(block), start, stop, rid]
+              for rank, off, block, start, stop, rid in layout.ranges]
+    return {"version": VERSION, "kind": "flat", "shape": list(layout.shape), "ranges": ranges,
+            "origin": layout.origin}
+
+
+def _flat_from_json(obj: dict[str, Any]) -> FlatLayout:
+    from .flat import FlatLayout
+
+    if obj.get("kind") != "flat":
+        raise FormatError(f"layout JSON kind {obj.get('kind')!r} is not supported (want 'flat')")
+    unknown = set(obj) - _FLAT_KEYS
+    if unknown:
+        raise FormatError(f"layout JSON has unknown fields {sorted(unknown)}")
+    shape = _int_list(obj.get("shape"), "shape")
+    ranges, origin = obj.get("ranges"), obj.get("origin")
+    if type(ranges) is not list or not ranges or len(ranges) > MAX_RANKS:
+        raise FormatError(f"layout JSON field 'ranges' must be a non-empty list of at most {MAX_RANKS} ranges")
+    if origin is not None and not isinstance(origin, dict):
+        raise FormatError(f"layout JSON origin must be an object or null, got {origin!r}")
+    entries: list[tuple[Any, ...]] = []
+    for r in ranges:
+        if type(r) is list and len(r) == 4:
+            entries.append(tuple(_int_list(r, "ranges")))
+        elif type(r) is list and len(r) == 6:
+            rank, off, block, start, stop, rid = r
+            head = _int_list([rank, start, stop, rid], "ranges")
+            entries.append((head[0], tuple(_int_list(off, "offset")), tuple(_int_list(block, "block")), *head[1:]))
+        else:
+            raise FormatError(f"layout JSON flat range must be [rank, start, stop, replica] or "
+                              f"[rank, offset, block, start, stop, replica], got {r!r}")
+    try:
+        return FlatLayout.from_ranges(shape, entries, origin)
+    except (LayoutError, ValueError) as e:
+        if isinstance(e, FormatError):
+            raise
+        raise FormatError(f"layout JSON describes an impossible flat layout: {e}") from e
 
 
 def _nums(values: Any) -> str:
