@@ -28,6 +28,14 @@ Which one a layout gets (:func:`choose_grid`):
   ``ceil(size / pieces)`` per dimension, whatever ``grid`` says: one writer
   holds every shard anyway, and the regular grid keeps larger inner chunks.
 
+* A **flattened-range** layout (:class:`reshard.layouts.FlatLayout`: ZeRO,
+  FSDP1, Megatron's distributed optimizer) is a set of boxes per rank. Its
+  ranks' own writes use the rectilinear grid of the boxes' boundaries, like any
+  irregular layout (each shard inside one box: one writer per object); one
+  process writing it all (importers, ``redivide``) uses a grid of whole rows,
+  ``ceil(rows / ranges)`` rows per shard (:func:`flat_rows_grid`), so that
+  ranges cutting rows at arbitrary columns do not narrow the inner chunks.
+
 * A regular layout whose blocks have **several holders** (data-parallel
   replicas: DDP, HSDP, TP x DP) is, by default (``balance=True``), cut further:
   each block into ``p <= R`` equal sub-shards along one dimension, ``p`` the
@@ -55,7 +63,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from reshard.layouts import Layout
+from reshard.layouts import FlatLayout, Layout
 from reshard.layouts.errors import FormatError
 
 #: A replicated block is cut among its holders only into pieces of at least this many elements (below it
@@ -259,6 +267,8 @@ def choose_grid(layout: Layout, grid: str = "exact", single_writer: bool = False
         # the first block's shape: it starts at 0 and ends at each dim's first boundary after 0
         blocks = Grid(shape, tuple(layout.boundaries(d)[1] for d in range(len(shape))))
         return balanced_grid(layout, blocks) if balance and not single_writer else blocks
+    if single_writer and isinstance(layout, FlatLayout):
+        return flat_rows_grid(layout)
     bounds = [layout.boundaries(d) for d in range(len(shape))]
     if single_writer:
         return Grid(shape, tuple(max(1, -(-n // max(1, len(b) - 1))) for n, b in zip(shape, bounds, strict=True)))
@@ -268,6 +278,14 @@ def choose_grid(layout: Layout, grid: str = "exact", single_writer: bool = False
     if all(len(e) == 1 or (len(set(e[:-1])) == 1 and e[-1] <= e[0]) for e in edges):
         return Grid(shape, tuple(e[0] for e in edges))  # the boundaries are a regular grid after all
     return Grid(shape, tuple(max(e) for e in edges), edges)
+
+
+def flat_rows_grid(layout: FlatLayout) -> Grid:
+    """One process's grid of a flat layout: whole rows (every dim but the first whole), ``ceil(rows / k)``
+    rows a shard for ``k`` non-empty replica-0 ranges (a rank's range then spans about one shard)."""
+    shape = tuple(layout.shape)
+    k = max(1, sum(1 for r in layout.ranges if r[5] == 0 and r[3] < r[4]))
+    return Grid(shape, (max(1, -(-shape[0] // k)), *(max(1, n) for n in shape[1:])))
 
 
 def balanced_grid(layout: Layout, blocks: Grid) -> Grid:
@@ -319,4 +337,5 @@ def writes_any(layout: Layout, rank: int, balance: bool = True) -> bool:
 
 def writes_in(layout: Layout, grid: Grid, rank: int) -> bool:
     """Whether ``rank`` writes any shard of ``grid`` (:func:`shard_writer`)."""
-    return any(shard_writer(layout, grid, idx) == rank for idx in grid.shards_in(layout.region(rank)))
+    regions = [r for _, r in layout.boxes(rank)] if isinstance(layout, FlatLayout) else [layout.region(rank)]
+    return any(shard_writer(layout, grid, idx) == rank for region in regions for idx in grid.shards_in(region))

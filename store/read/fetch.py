@@ -17,12 +17,14 @@ per source object touched.
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from reshard.layouts.errors import FormatError, StorageError
+from reshard.layouts import FlatLayout, Layout
+from reshard.layouts.errors import FormatError, ShapeMismatchError, StorageError
 
 from ..format.encode import plain_index, stored_bytes
 from ..format.meta import ArrayMeta
@@ -55,6 +57,50 @@ Region = tuple[slice, ...]
 DEFAULT_GAP = 64 << 10
 #: The same on object stores (S3 and the like: tens of ms per request, ~100 MB/s per stream).
 REMOTE_GAP = 1 << 20
+
+
+class Boxes(tuple):
+    """A flat-range rank's part as a read job's region: ``(offset, global region)`` per box
+    (:meth:`reshard.layouts.FlatLayout.boxes`); the job's destination is the rank's 1-d array."""
+
+    @property
+    def size(self) -> int:
+        """Elements of all the boxes: the length of the 1-d destination."""
+        return sum(math.prod(s.stop - s.start for s in box) for _, box in self)
+
+    def key(self) -> tuple[Any, ...]:
+        """A hashable form (slices are not hashable before Python 3.12)."""
+        return tuple((at, tuple((s.start, s.stop) for s in box)) for at, box in self)
+
+
+def target_region(layout: Layout, rank: int) -> Any:
+    """What a read job fills for ``rank``: its region, or for a flat-range layout its :class:`Boxes`."""
+    if isinstance(layout, FlatLayout):
+        return Boxes(layout.boxes(rank))
+    return layout.region(rank)
+
+
+def expand_boxes(jobs: list[tuple[ArrayMeta, Any, np.ndarray]]) -> list[tuple[ArrayMeta, Region, np.ndarray]]:
+    """Read jobs with :class:`Boxes` regions as one job per box, into views of the 1-d destination.
+
+    A box is a contiguous run of the destination (the rank's range in C order), so
+    each view is contiguous and the fetcher reads straight into it.
+    """
+    if not any(isinstance(region, Boxes) for _, region, _ in jobs):
+        return jobs
+    out = []
+    for meta, region, dest in jobs:
+        if not isinstance(region, Boxes):
+            out.append((meta, region, dest))
+            continue
+        flat = dest.reshape(-1)
+        if not np.shares_memory(flat, dest) and dest.size:
+            raise ShapeMismatchError(f"tensor {meta.name!r}: the destination of a flat range must be one "
+                                     "contiguous 1-d array")
+        for at, box in region:
+            shape = tuple(s.stop - s.start for s in box)
+            out.append((meta, box, flat[at : at + math.prod(shape)].reshape(shape)))
+    return out
 
 
 def default_gap(storage: Storage) -> int:
@@ -148,6 +194,7 @@ class Fetcher:
         Returns the counters of this call (exact also when several threads read
         through one checkpoint at once; ``self.stats`` sums every call).
         """
+        jobs = expand_boxes(jobs)
         delivered = sum(d.nbytes for _, _, d in jobs)
         if self.engine != "fast":  # the general engines do their own I/O: only deliveries are known
             from ..format.engines import read_with_engine

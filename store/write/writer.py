@@ -50,7 +50,7 @@ from ..io import packed, pool
 from ..io.gcpause import gc_paused
 from ..io.storage import Storage
 from .incremental import Base, Reusable, digest
-from .plan import Settings, TensorPlan, block_shards, tensor_plan
+from .plan import Settings, TensorPlan, block_shards, take, tensor_plan
 
 #: Block writers (importers, redivide), packed form: bytes held before they go out as one data object.
 BUFFER_BYTES = 256 << 20
@@ -220,7 +220,7 @@ class CheckpointWriter:
         mine = [(p, tensors[n]) for n, p in sorted(plans.items(), key=_geometry) if p.at(rank).writes]
         if self.form == "packed":  # one object: the shards back to back, then the manifest
             reuse = self.base.for_rank(rank) if self.base is not None else Reusable()
-            blobs = self._encode([(p.meta, idx, arr[within], how) for p, arr in mine
+            blobs = self._encode([(p.meta, idx, take(arr, within), how) for p, arr in mine
                                   for idx, within, how in p.at(rank).shards], reuse)
             found = {key: reuse.find(key, sha) for key, parts, sha in blobs if parts is None}
             fresh = [(key, parts) for key, parts, _ in blobs if parts is not None]
@@ -309,18 +309,22 @@ class CheckpointWriter:
         """The shards of a block: (record, grid index, the shard's part of ``local``, its encoding) each."""
         return [(meta, idx, local[within], how) for idx, within, how in block_shards(meta, region)]
 
-    def _shard_jobs(self, meta: ArrayMeta, region: tuple[slice, ...], local: np.ndarray,
+    def _shard_jobs(self, meta: ArrayMeta, region: tuple[slice, ...] | None, local: np.ndarray,
                     shards: tuple[Any, ...] | None = None) -> list[Any]:
-        """Jobs writing the shards of a block (``shards``: only these, as :meth:`TensorPlan.at` gives them)."""
-        shards = block_shards(meta, region) if shards is None else shards
+        """Jobs writing the shards of a block (``shards``: only these, as :meth:`TensorPlan.at` gives them;
+        a flat range has no one ``region``: its shards are given)."""
+        if shards is None:
+            assert region is not None
+            shards = block_shards(meta, region)
         if self.engine == "tensorstore" and meta.shape:
             from ..format.engines import write_with_tensorstore
 
-            if len(shards) == len(block_shards(meta, region)):  # the whole block: one write
+            if region is not None and len(shards) == len(block_shards(meta, region)):  # the whole block: one write
                 return [lambda: write_with_tensorstore(self.storage, meta, region, local)]
             return [functools.partial(write_with_tensorstore, self.storage, meta, meta.shard_region(idx),
-                                      local[within]) for idx, within, _ in shards]
-        return [functools.partial(_write_shard, self.storage, meta, idx, local[within]) for idx, within, _ in shards]
+                                      take(local, within)) for idx, within, _ in shards]
+        return [functools.partial(_write_shard, self.storage, meta, idx, take(local, within))
+                for idx, within, _ in shards]
 
     def _encode(self, shards: list[tuple[ArrayMeta, tuple[int, ...], np.ndarray, bytes]],
                 reuse: Reusable | None = None) -> list[tuple[str, Any, str]]:
