@@ -94,21 +94,26 @@ class FlatBuffer:
 
     @classmethod
     def partitioned(cls, shapes: Sequence[Sequence[int]], ranks: Sequence[int] | Sequence[Sequence[int]], *,
-                    align: int = 1, pad_to: int = 1) -> FlatBuffer:
+                    align: int = 1, pad_to: int = 1, offsets: Sequence[int] | None = None) -> FlatBuffer:
         """Contiguous equal partitions of the concatenation (ZeRO-1/2, FSDP1).
 
-        Each tensor starts at a multiple of ``align`` elements; the total is
+        Each tensor starts at a multiple of ``align`` elements (or at its entry
+        of ``offsets``, increasing, as a framework recorded them); the total is
         padded to a multiple of ``pad_to``, then cut into ``len(ranks)`` parts
         of ``ceil(total / n)`` (the last ones shorter, padded to that size).
         ``ranks[i]`` is a rank, or the ranks holding part ``i`` by replica id (HSDP).
         """
         if align < 1 or pad_to < 1:
             raise LayoutError(f"align {align} and pad_to {pad_to} must be at least 1")
-        offsets, end = [], 0
-        for s in shapes:
-            end = -(-end // align) * align
-            offsets.append(end)
-            end += math.prod(int(n) for n in s)
+        if offsets is not None and len(offsets) != len(shapes):
+            raise LayoutError(f"{len(offsets)} offsets for {len(shapes)} tensors")
+        starts, end = [], 0
+        for i, s in enumerate(shapes):
+            at = -(-end // align) * align if offsets is None else int(offsets[i])
+            if at < end:
+                raise LayoutError(f"tensor {i} starts at {at}, inside the tensor before it (which ends at {end})")
+            starts.append(at)
+            end = at + math.prod(int(n) for n in s)
         total = -(-end // pad_to) * pad_to
         groups = [(r,) if isinstance(r, int) else tuple(r) for r in ranks]
         if not groups or not all(groups):
@@ -118,7 +123,7 @@ class FlatBuffer:
         for i, members in enumerate(groups):
             lo, hi = i * step, min((i + 1) * step, total)
             segs = []
-            for t, (off, s) in enumerate(zip(offsets, shapes, strict=True)):
+            for t, (off, s) in enumerate(zip(starts, shapes, strict=True)):
                 a, b = max(lo, off), min(hi, off + math.prod(int(n) for n in s))
                 if a < b:
                     segs.append((a - lo, t, a - off, b - off))
