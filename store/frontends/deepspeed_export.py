@@ -34,7 +34,7 @@ from reshard.layouts import FlatBuffer
 from reshard.layouts.errors import FormatError
 
 from ..format.torch_arrays import from_numpy
-from ..format.tree import flatten
+from ..format.tree import flatten, unflatten
 from ..read.checkpoint import Checkpoint
 from ..read.open import open as open_checkpoint
 from .deepspeed import group_buffer
@@ -67,6 +67,8 @@ def export_deepspeed(src: str | Checkpoint, dst: str, dp: int, *, tag: str = "re
         raise ValueError(f"dp must be at least 1, got {dp}")
     ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src, storage_options=storage_options)
     info = ckpt.leaves.get("deepspeed")
+    if info is None:  # a state saved again with rs.save: its nested leaves were stored by dotted name
+        info = unflatten({k: v for k, v in ckpt.leaves.items() if k.startswith("deepspeed.")}).get("deepspeed")
     if not isinstance(info, dict) or "groups" not in info or info.get("stage") not in (1, 2, 3):
         raise FormatError(f"{ckpt.url}: no 'deepspeed' leaf: not a checkpoint imported from DeepSpeed "
                           "(reshard import deepspeed)")
