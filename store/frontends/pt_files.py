@@ -57,7 +57,8 @@ class Stub:
 
 
 @functools.lru_cache(maxsize=256)
-def _stub(qualname: str) -> type[Stub]:
+def stub_class(qualname: str) -> type[Stub]:
+    """The :class:`Stub` subclass standing in for the class ``qualname`` (one per name)."""
     return type(qualname.rsplit(".", 1)[-1], (Stub,), {"qualname": qualname})
 
 
@@ -82,7 +83,7 @@ def load_pt(path: str, prefixes: tuple[str, ...] = ("deepspeed.",)) -> Any:
     if foreign:
         raise FormatError(f"{path} pickles {foreign}, which reshard does not load (only tensors, plain containers "
                           f"and inert stand-ins for {list(prefixes)})")
-    stubs: list[Any] = [(_stub(n), n) for n in names]
+    stubs: list[Any] = [(stub_class(n), n) for n in names]
     try:
         with torch.serialization.safe_globals(stubs):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
