@@ -17,6 +17,10 @@ A flattened-range layout (:class:`~reshard.layouts.flat.FlatLayout`) is::
      "ranges": [[rank, start, stop, replica_id], ...]       # ranges of the whole tensor
            or  [[rank, offset, block, start, stop, replica_id], ...],   # of (TP-local) blocks
      "origin": {...} | null}
+
+or, for the even cut of :meth:`FlatLayout.even` (ZeRO-3: every rank a range of every
+parameter), ``"even": ranks`` (a list, or ``{"range": [start, stop]}``) in place of
+``"ranges"``: O(1) bytes where the ranges would be O(ranks).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ VERSION = 1
 #: Most mesh positions a stored layout may describe (a bound on what parsing allocates).
 MAX_RANKS = 1 << 24
 _KEYS = {"version", "shape", "mesh", "ranks", "dims", "split", "nested", "opt_shard", "explicit", "origin"}
-_FLAT_KEYS = {"version", "kind", "shape", "ranges", "origin"}
+_FLAT_KEYS = {"version", "kind", "shape", "ranges", "even", "origin"}
 
 
 def to_json(layout: Layout) -> dict[str, Any]:
@@ -149,6 +153,14 @@ def from_json(obj: Any) -> Layout:
 
 def flat_to_json(layout: FlatLayout) -> dict[str, Any]:
     """The JSON-able dict of a flat layout (short ranges when every block is the whole tensor)."""
+    from .flat import FlatLayout
+
+    r = layout.ranks
+    if (all(rid == 0 for *_, rid in layout.ranges) and all(b == layout.shape for _, _, b, _, _, _ in layout.ranges)
+            and FlatLayout.even(layout.shape, r) == layout):
+        even: Any = {"range": [r[0], r[0] + len(r)]} if r == tuple(range(r[0], r[0] + len(r))) else list(r)
+        return {"version": VERSION, "kind": "flat", "shape": list(layout.shape), "even": even,
+                "origin": layout.origin}
     whole = all(block == layout.shape for _, _, block, _, _, _ in layout.ranges)
     ranges = [[rank, start, stop, rid] if whole else [rank, list(off), list(block), start, stop, rid]
               for rank, off, block, start, stop, rid in layout.ranges]
@@ -166,10 +178,26 @@ def _flat_from_json(obj: dict[str, Any]) -> FlatLayout:
         raise FormatError(f"layout JSON has unknown fields {sorted(unknown)}")
     shape = _int_list(obj.get("shape"), "shape")
     ranges, origin = obj.get("ranges"), obj.get("origin")
-    if type(ranges) is not list or not ranges or len(ranges) > MAX_RANKS:
-        raise FormatError(f"layout JSON field 'ranges' must be a non-empty list of at most {MAX_RANKS} ranges")
     if origin is not None and not isinstance(origin, dict):
         raise FormatError(f"layout JSON origin must be an object or null, got {origin!r}")
+    if "even" in obj:
+        if ranges is not None:
+            raise FormatError("layout JSON flat layout has both 'even' and 'ranges'")
+        even = obj["even"]
+        if isinstance(even, dict):
+            bounds = _int_list(even.get("range"), "even.range")
+            if len(bounds) != 2 or not 0 < bounds[1] - bounds[0] <= MAX_RANKS:
+                raise FormatError(f"layout JSON even.range {bounds} must be [start, stop] of 1 to {MAX_RANKS} ranks")
+            even = list(range(*bounds))
+        even = _int_list(even, "even")
+        if not even or len(even) > MAX_RANKS:
+            raise FormatError(f"layout JSON field 'even' must name 1 to {MAX_RANKS} ranks")
+        try:
+            return FlatLayout.even(shape, even, origin)
+        except (LayoutError, ValueError) as e:
+            raise FormatError(f"layout JSON describes an impossible flat layout: {e}") from e
+    if type(ranges) is not list or not ranges or len(ranges) > MAX_RANKS:
+        raise FormatError(f"layout JSON field 'ranges' must be a non-empty list of at most {MAX_RANKS} ranges")
     entries: list[tuple[Any, ...]] = []
     for r in ranges:
         if type(r) is list and len(r) == 4:

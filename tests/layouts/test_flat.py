@@ -179,7 +179,22 @@ def test_bad_flat_layouts(ranges, match):
         FlatLayout.from_ranges((2, 3), ranges)
 
 
+def test_even_layouts_have_a_short_json_form():
+    for lay in (FlatLayout.even((1000, 7), 64), FlatLayout.even((5,), [9, 3, 4]), FlatLayout.even((2,), 4)):
+        doc = lay.to_json()
+        assert "even" in doc and "ranges" not in doc and len(lay.to_json_text()) < 120
+        assert Layout.from_json(doc) == lay and Layout.from_json(lay.to_json_text()) == lay
+    odd = FlatLayout.from_ranges((6,), [(0, 0, 3), (1, 3, 6)])
+    assert "even" in odd.to_json()  # the even cut, however it was built
+    uneven = FlatLayout.from_ranges((6,), [(0, 0, 4), (1, 4, 6)])
+    assert "ranges" in uneven.to_json() and Layout.from_json(uneven.to_json()) == uneven
+
+
 @pytest.mark.parametrize("doc, match", [
+    ({"version": 1, "kind": "flat", "shape": [2], "even": []}, "1 to"),
+    ({"version": 1, "kind": "flat", "shape": [2], "even": {"range": [3, 1]}}, "range"),
+    ({"version": 1, "kind": "flat", "shape": [2], "even": [0], "ranges": [[0, 0, 2, 0]]}, "both"),
+    ({"version": 1, "kind": "flat", "shape": [2], "even": [0, 0]}, "impossible"),
     ({"version": 1, "kind": "flat", "shape": [2], "ranges": []}, "non-empty"),
     ({"version": 1, "kind": "flat", "shape": [2], "ranges": [[0, 0, 2]]}, "must be"),
     ({"version": 1, "kind": "flat", "shape": [2], "ranges": [[0, 0, 1, 0]]}, "impossible"),
