@@ -54,6 +54,11 @@ def test_per_rank_flat_save_reads_every_way(tmp_path, form, zero3):
                    {n: Layout.from_dtensor((2,), ["S(0)"] if s else ["R"], s) for n, s in SHAPES.items()}):
         for rank in range(3):
             check_rank(ckpt, full, target, rank)
+    assert rs.verify(url).ok
+    as_torch = ckpt.load(zero_layouts(SHAPES, 3, zero3), 1, as_="torch")
+    for name, lay in zero_layouts(SHAPES, 3, zero3).items():
+        if 1 in lay.ranks:
+            np.testing.assert_array_equal(as_torch[name].numpy(), local_part(lay, 1, full[name]))
     got = ckpt.load_many(zero_layouts(SHAPES, 3, zero3), range(3))
     for rank in range(3):
         for name, lay in zero_layouts(SHAPES, 3, zero3).items():
@@ -80,6 +85,16 @@ def test_redivide_block_to_flat_and_flat_to_block(tmp_path):
     rs.redivide(str(tmp_path / "flat"), str(tmp_path / "back"), rows)
     for rank in range(4):
         check_rank(rs.open(str(tmp_path / "back")), full, rows, rank)
+
+
+def test_flat_layouts_pickle_and_copy():
+    import copy
+    import pickle
+
+    for lay in zero_layouts(SHAPES, 3).values():
+        lay.blocks()  # the cached tables are not pickled
+        for other in (pickle.loads(pickle.dumps(lay)), copy.deepcopy(lay)):
+            assert other == lay and type(other) is FlatLayout and other.blocks() == lay.blocks()
 
 
 def test_per_rank_grid_keeps_one_writer_per_shard(tmp_path):
