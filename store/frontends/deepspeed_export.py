@@ -34,7 +34,7 @@ from reshard.layouts import FlatBuffer
 from reshard.layouts.errors import FormatError
 
 from ..format.torch_arrays import from_numpy
-from ..format.tree import flatten, unflatten
+from ..format.tree import unflatten
 from ..read.checkpoint import Checkpoint
 from ..read.open import open as open_checkpoint
 from .deepspeed import group_buffer
@@ -193,24 +193,28 @@ PICKLE.Pickler = _Pickler  # type: ignore[attr-defined]
 
 def _rank_vectors(ckpt: Checkpoint, group: dict[str, Any], buf: FlatBuffer, rank: int) -> dict[str, Any]:
     """The rank's flat partition of each of ``fp32`` and the group's states: its ranges read from the
-    checkpoint under the new flat layouts, padding zero."""
+    checkpoint under the new flat layouts straight into their places in the partition, padding zero."""
     layouts = buf.layouts()
     whats = ["fp32", *group.get("states", [])]
-    targets = {f"optimizer.{what}.{name}": layouts[t] for what in whats
-               for t, name in enumerate(group["names"]) if rank in layouts[t].ranks}
-    for name in targets:
-        if name not in ckpt:
-            raise FormatError(f"{ckpt.url}: tensor {name!r} is missing (the 'deepspeed' leaf names it)")
-    local = flatten(ckpt.load(targets, rank), ckpt.arrays)[0] if targets else {}
     part = buf.part(rank)
-    out = {}
+    out, into, targets = {}, {}, {}
     for what in whats:
-        dtype = ckpt.tensor(f"optimizer.{what}.{group['names'][0]}").np_dtype
-        vec = np.zeros(part.size, dtype=dtype)
-        for off, t, a, b in part.segments:
-            vec[off : off + b - a] = np.asarray(local[f"optimizer.{what}.{group['names'][t]}"]).reshape(-1)
-        out[what] = from_numpy(vec)
-    return out
+        names = [f"optimizer.{what}.{name}" for name in group["names"]]
+        for name in names:
+            if name not in ckpt:
+                raise FormatError(f"{ckpt.url}: tensor {name!r} is missing (the 'deepspeed' leaf names it)")
+        vec = np.empty(part.size, dtype=ckpt.tensor(names[0]).np_dtype)
+        at = 0
+        for off, t, a, b in sorted(part.segments):
+            vec[at:off] = 0  # padding before the segment
+            into[names[t]] = vec[off : off + b - a]
+            targets[names[t]] = layouts[t]
+            at = off + b - a
+        vec[at:] = 0
+        out[what] = vec
+    if targets:
+        ckpt.load(targets, rank, out=into)
+    return {what: from_numpy(vec) for what, vec in out.items()}
 
 
 def _padding(group: dict[str, Any], buf: FlatBuffer, dp: int) -> int:
