@@ -116,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                     "universal"])
     lines = ["# Bench W7: GPT-2-small Adam state, ZeRO-2 on 4 ranks -> 3 ranks", "",
              f"Checkpoint: {size:.0f} MiB of DeepSpeed files ({'tiny' if args.tiny else '124 M parameters'}, "
-             f"fp32, AdamW). Machine: {os.cpu_count()} CPUs, shared with other work while measured; "
-             f"(`python -m bench.w7`), {args.reps} runs of each step: min and max seconds. Peak RSS: the largest "
+             f"fp32, AdamW). Machine: {os.cpu_count()} CPUs, shared with other work while measured "
+             f"(`python -m bench.w7`); {args.reps} runs of each step: min and max seconds. Peak RSS: the largest "
              "process of the step (for reshard's import most of it is the DeepSpeed files' pages, read through "
              "mmap).", "",
              "| system | step | seconds (min) | (max) | peak RSS (MiB) | note |", "|---|---|---:|---:|---:|---|"]
