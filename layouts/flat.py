@@ -260,6 +260,16 @@ class FlatLayout(Layout):
 
     # --------------------------------------------------------- Layout's methods
 
+    @property
+    def _info(self) -> Any:
+        """Refused: the mesh tables of block layouts do not describe ranges. Every method of
+        :class:`Layout` that reads them is overridden here; one added later fails loudly, not wrongly."""
+        raise UnsupportedError(f"{self.describe()}: a flat layout has no mesh table (Layout internals)")
+
+    @property
+    def _whole(self) -> bool:
+        return False
+
     def region(self, rank: int) -> tuple[slice, ...]:
         """Refused: a flat range is several boxes (:meth:`boxes`), not one region."""
         self._entry(rank)
