@@ -94,13 +94,15 @@ class FlatBuffer:
 
     @classmethod
     def partitioned(cls, shapes: Sequence[Sequence[int]], ranks: Sequence[int] | Sequence[Sequence[int]], *,
-                    align: int = 1, pad_to: int = 1, offsets: Sequence[int] | None = None) -> FlatBuffer:
+                    align: int = 1, pad_to: int = 1, offsets: Sequence[int] | None = None,
+                    total: int | None = None) -> FlatBuffer:
         """Contiguous equal partitions of the concatenation (ZeRO-1/2, FSDP1).
 
         Each tensor starts at a multiple of ``align`` elements (or at its entry
         of ``offsets``, increasing, as a framework recorded them); the total is
-        padded to a multiple of ``pad_to``, then cut into ``len(ranks)`` parts
-        of ``ceil(total / n)`` (the last ones shorter, padded to that size).
+        padded to a multiple of ``pad_to`` (or is ``total``, trailing padding
+        included, as recorded), then cut into ``len(ranks)`` parts of
+        ``ceil(total / n)`` (the last ones shorter, padded to that size).
         ``ranks[i]`` is a rank, or the ranks holding part ``i`` by replica id (HSDP).
         """
         if align < 1 or pad_to < 1:
@@ -114,7 +116,10 @@ class FlatBuffer:
                 raise LayoutError(f"tensor {i} starts at {at}, inside the tensor before it (which ends at {end})")
             starts.append(at)
             end = at + math.prod(int(n) for n in s)
-        total = -(-end // pad_to) * pad_to
+        if total is None:
+            total = -(-end // pad_to) * pad_to
+        elif total < end:
+            raise LayoutError(f"flat buffer total {total} is shorter than its tensors' end {end}")
         groups = [(r,) if isinstance(r, int) else tuple(r) for r in ranks]
         if not groups or not all(groups):
             raise LayoutError("a partitioned flat buffer needs at least one rank per part")
