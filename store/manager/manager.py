@@ -142,10 +142,13 @@ class CheckpointManager:
         self._writers: dict[int, CheckpointWriter] = {}
         self._closed = False
         self._heartbeat: threading.Thread | None = None
+        #: Ranks of this process write once the committer has reconciled (another process's committer: waited for).
+        self._ready = layouts is None or self.committer_rank in _process_ranks(rank, self.committer_rank)
         if layouts is not None and self.committer_rank in _process_ranks(rank, self.committer_rank):
             self.committer.take_job_lock()  # one job per root: a second one is refused here
             try:
                 self.committer.reconcile()
+                self.committer.renew_job_lock(ready=True)  # the other processes' ranks may write now
             except BaseException:
                 self.committer.release_job_lock()
                 raise
@@ -256,6 +259,9 @@ class CheckpointManager:
 
     def _write(self, step: int, rank: int, state: dict[str, Any], staged: Any) -> None:
         try:
+            if not self._ready:
+                self.committer.wait_ready(self.committer.timeout)
+                self._ready = True
             if staged is not None:
                 staged.ready()
             self._writer(step).write(rank, state)
