@@ -139,7 +139,7 @@ def _pieces(rank: int, layouts: dict[str, Layout], arrays: dict[str, Any], write
     """Device ``rank``'s local arrays, as the writer expects them."""
     out = {}
     for name, layout in layouts.items():
-        if rank not in layout.ranks:
+        if not layout.has_rank(rank):
             continue
         value = arrays[name]
         if isinstance(value, np.ndarray):

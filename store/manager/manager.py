@@ -249,7 +249,7 @@ class CheckpointManager:
         balance = self.options.get("balance", True)
         for name, value in tensors.items():
             layout = self.layouts.get(name)
-            if layout is not None and rank in layout.ranks and not writes_any(layout, rank, balance):
+            if layout is not None and layout.has_rank(rank) and not writes_any(layout, rank, balance):
                 shape = tuple(int(n) for n in value.shape)
                 out[name] = np.broadcast_to(np.zeros((), dtype=host_dtype(value)), shape)
         return out

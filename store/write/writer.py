@@ -209,7 +209,7 @@ class CheckpointWriter:
                     f"tensor {name!r} on rank {rank}: local shape {tuple(arr.shape)}, "
                     f"layout {plan.meta.layout.describe()} expects {tuple(want)}"
                 )
-        missing = [n for n in self.names() if n not in tensors and rank in self.layout(n).ranks]
+        missing = [n for n in self.names() if n not in tensors and self.layout(n).has_rank(rank)]
         if missing:
             raise LayoutError(f"rank {rank} holds {missing} by its layouts but did not pass them")
         self._check_not_written(rank)
@@ -297,7 +297,7 @@ class CheckpointWriter:
         ranks = sorted(set().union(*(m.layout.ranks for m in metas.values()))) or [0]
         stored = json_leaves(leaves)
         for rank in ranks:
-            held = {n: m for n, m in metas.items() if rank in m.layout.ranks}
+            held = {n: m for n, m in metas.items() if m.layout.has_rank(rank)}
             manifest = rank_manifest(rank, self.save_id, held, stored)
             if self.form == "packed":
                 manifest["packed"] = records if rank == ranks[0] else {}
