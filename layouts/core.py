@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -21,6 +21,16 @@ from .errors import LayoutError, RankError, ShapeMismatchError
 from .records import Block
 
 Explicit = tuple[tuple[int, tuple[int, ...], tuple[int, ...], int], ...]
+
+
+def all_ranks(layouts: Iterable[Layout]) -> set[int]:
+    """Every rank of some layouts, each distinct rank list read once.
+
+    Layouts over one rank list share its tuple, so a model's 10,000 layouts over
+    4,096 ranks cost 10,000 steps and one union, not 40 million.
+    """
+    lists = {id(lay.ranks): lay.ranks for lay in layouts}
+    return set().union(*lists.values())
 
 
 def _ints(value: Any, what: str, minimum: int = 0) -> tuple[int, ...]:

@@ -304,12 +304,14 @@ def balanced_grid(layout: Layout, blocks: Grid) -> Grid:
     return Grid(blocks.shape, tuple(n // best if d == dim else n for d, n in enumerate(cell)))
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def shard_writer(layout: Layout, grid: Grid, index: tuple[int, ...]) -> int:
     """The rank that writes the shard at ``index`` of ``grid``.
 
     A sub-shard of a balanced grid (:func:`balanced_grid`): the holder of its
     block whose replica id is the sub-shard's position in the block; any other
-    shard: its block's replica 0.
+    shard: its block's replica 0. Kept per (layout, grid, index): the tensors
+    of a model share a few layouts and grids, and a rank asks about the same few shards of each.
     """
     start = tuple(grid.start(d, i) for d, i in enumerate(index))
     if grid.edges is None and layout.is_regular():

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from reshard.layouts import Layout
+from reshard.layouts import Layout, all_ranks
 from reshard.layouts.errors import (
     CheckpointNotFoundError,
     FormatError,
@@ -119,7 +119,7 @@ def save(pytree: Any, url: str, **options: Any) -> CheckpointWriter:
         else:
             leaves[name] = to_json(value, name)
     local_ids = {d.id for d in jax.local_devices()}
-    ranks = sorted(local_ids & set().union({home}, *(lay.ranks for lay in layouts.values())))
+    ranks = sorted(local_ids & (all_ranks(layouts.values()) | {home}))
     writer = create(url, layouts, **options)
     for rank in ranks:
         writer.write(rank, {**leaves, **_pieces(rank, layouts, arrays, writer)})

@@ -28,6 +28,7 @@ from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import numpy as np
+from reshard.layouts import all_ranks
 from reshard.layouts.errors import CheckpointNotFoundError, UncommittedCheckpointError
 
 from ..format.grid import writes_any
@@ -464,12 +465,12 @@ def _step(step: Any) -> int:
 
 def _all_ranks(layouts: LayoutSpec, shapes: Mapping[str, tuple[int, ...]] | None) -> list[int]:
     if isinstance(layouts, Mapping):
-        found = [lay.ranks for lay in layouts.values()]
+        found = list(layouts.values())
     elif shapes:
-        found = [resolve_layout(layouts, n, tuple(s)).ranks for n, s in shapes.items()]
+        found = [resolve_layout(layouts, n, tuple(s)) for n, s in shapes.items()]
     else:
         return []
-    return sorted(set().union(*found)) if found else []
+    return sorted(all_ranks(found))
 
 
 def _process_ranks(rank: int | Iterable[int] | None, committer: int) -> set[int]:

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-from reshard.layouts import Layout
+from reshard.layouts import Layout, all_ranks
 from reshard.layouts.errors import (
     CheckpointExistsError,
     LayoutError,
@@ -294,7 +294,7 @@ class CheckpointWriter:
         self._json_manifests = True
         records = {**self._located, **(located or {})}
         hashes = {k: v for k, v in self._hashes.items() if k in records}
-        ranks = sorted(set().union(*(m.layout.ranks for m in metas.values()))) or [0]
+        ranks = sorted(all_ranks(m.layout for m in metas.values())) or [0]
         stored = json_leaves(leaves)
         for rank in ranks:
             held = {n: m for n, m in metas.items() if m.layout.has_rank(rank)}
@@ -356,9 +356,9 @@ class CheckpointWriter:
         """
         names = self.names()
         if ranks is None and names:
-            ranks = sorted(set().union(*(self.layout(n).ranks for n in names)))
+            ranks = sorted(all_ranks(self.layout(n) for n in names))
         elif ranks is not None and names:
-            ranks = sorted(set(ranks).union(*(self.layout(n).ranks for n in names)))
+            ranks = sorted(set(ranks) | all_ranks(self.layout(n) for n in names))
         # where the manifests are: a packed rank's in its data object; write_manifests' as JSON
         form = None if self._json_manifests else self.form
         return commit(self.root, save_id=self.save_id, ranks=ranks, known=self._known, **{"form": form, **options})

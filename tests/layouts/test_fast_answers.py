@@ -210,3 +210,12 @@ def test_ranks_are_checked_once_and_shared():
         Layout((8,), (4096,), (-1, *range(1, 4096)))
     with pytest.raises(LayoutError, match="sequence of ints"):
         Layout((8,), (2,), ("a", "b"))
+
+
+def test_all_ranks_reads_each_list_once_and_misses_none():
+    from reshard.layouts import all_ranks
+
+    many = [Layout.from_dtensor(64, ["Shard(0)"], (128, i + 1)) for i in range(50)]
+    other = [Layout.from_jax({"x": 4}, ["x"], (8,), ranks=[100, 90, 80, 70]), Layout.single((3,), 7)]
+    assert all_ranks(many + other) == set(range(64)) | {100, 90, 80, 70, 7}
+    assert all_ranks([]) == set()
