@@ -12,6 +12,7 @@ jax and orbax are imported inside the functions, never when ``reshard.store`` lo
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -60,6 +61,12 @@ def _region(index: Sequence[slice], shape: Sequence[int]) -> Region:
     return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
 
 
+@functools.lru_cache(maxsize=64)
+def _device_ids(mesh: Any) -> tuple[int, ...]:
+    """A mesh's device ids in mesh order, one tuple per mesh: its layouts share it (no O(devices) per array)."""
+    return tuple(d.id for d in mesh.devices.flat)
+
+
 def layout_of(array: Any) -> Layout:
     """The layout of a ``jax.Array`` (ranks are device ids).
 
@@ -71,8 +78,7 @@ def layout_of(array: Any) -> Layout:
     sharding, shape = array.sharding, tuple(array.shape)
     if isinstance(sharding, NamedSharding):
         mesh = sharding.mesh
-        ranks = [d.id for d in mesh.devices.flat]
-        return Layout.from_jax(list(mesh.shape.items()), tuple(sharding.spec), shape, ranks=ranks)
+        return Layout.from_jax(list(mesh.shape.items()), tuple(sharding.spec), shape, ranks=_device_ids(mesh))
     if sharding.is_fully_replicated:
         ids = sorted(d.id for d in sharding.device_set)
         return Layout(shape, (len(ids),), tuple(ids))
