@@ -139,12 +139,10 @@ def locate(size: int, levels: tuple[Level, ...], x: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-#: Regions kept per geometry (a process simulating every rank of a large mesh computes the others each time).
-BOUNDS_KEPT = 1 << 12
+#: Regions kept per geometry: a rank asks for its own (a process simulating many ranks computes the others each time).
+BOUNDS_KEPT = 16
 #: Rank lists at most this long key the geometry cache by value (longer ones by their shared RankSet).
 SMALL_RANKS = 64
-
-
 #: Geometries kept per process (the cache starts over beyond this).
 GEOMETRIES_KEPT = 4096
 _geometries: dict[tuple[Any, ...], Geometry] = {}
@@ -166,7 +164,7 @@ def geometry(shape: tuple[int, ...], mesh: tuple[int, ...], ranks: RankSet, dims
 
 
 class Geometry:
-    """The O(ndim) derived facts of a mesh layout (built per layout in O(ndim + mesh axes)).
+    """The O(ndim) derived facts of a mesh layout (built in O(ndim + mesh axes), shared by equal layouts).
 
     Replicas of a block are the ranks of one cell (the same piece of every dim):
     their replica id is their row-major index over the mesh axes that split no

@@ -304,7 +304,7 @@ def balanced_grid(layout: Layout, blocks: Grid) -> Grid:
     return Grid(blocks.shape, tuple(n // best if d == dim else n for d, n in enumerate(cell)))
 
 
-@functools.lru_cache(maxsize=1 << 16)
+@functools.lru_cache(maxsize=1 << 14)
 def shard_writer(layout: Layout, grid: Grid, index: tuple[int, ...]) -> int:
     """The rank that writes the shard at ``index`` of ``grid``.
 
