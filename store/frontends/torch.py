@@ -339,7 +339,7 @@ def load(state_dict: Mapping[str, Any], url: str, *, strict: bool = True, proces
             missing.append(name)
             continue
         layout = layout_of(value, [rank])
-        if rank in layout.ranks:
+        if layout.has_rank(rank):
             layouts[name] = layout
             targets[name] = _local(value)
     if missing and strict:

@@ -28,6 +28,7 @@ from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import numpy as np
+from reshard.layouts import all_ranks
 from reshard.layouts.errors import CheckpointNotFoundError, UncommittedCheckpointError
 
 from ..format.grid import writes_any
@@ -252,7 +253,7 @@ class CheckpointManager:
         balance = self.options.get("balance", True)
         for name, value in tensors.items():
             layout = self.layouts.get(name)
-            if layout is not None and rank in layout.ranks and not writes_any(layout, rank, balance):
+            if layout is not None and layout.has_rank(rank) and not writes_any(layout, rank, balance):
                 shape = tuple(int(n) for n in value.shape)
                 out[name] = np.broadcast_to(np.zeros((), dtype=host_dtype(value)), shape)
         return out
@@ -470,12 +471,12 @@ def _step(step: Any) -> int:
 
 def _all_ranks(layouts: LayoutSpec, shapes: Mapping[str, tuple[int, ...]] | None) -> list[int]:
     if isinstance(layouts, Mapping):
-        found = [lay.ranks for lay in layouts.values()]
+        found = list(layouts.values())
     elif shapes:
-        found = [resolve_layout(layouts, n, tuple(s)).ranks for n, s in shapes.items()]
+        found = [resolve_layout(layouts, n, tuple(s)) for n, s in shapes.items()]
     else:
         return []
-    return sorted(set().union(*found)) if found else []
+    return sorted(all_ranks(found))
 
 
 def _process_ranks(rank: int | Iterable[int] | None, committer: int) -> set[int]:

@@ -84,7 +84,7 @@ class TensorPlan:
         part = self.parts.get(rank)
         if part is None:
             layout, meta = self.meta.layout, self.meta
-            if rank not in layout.ranks:
+            if not layout.has_rank(rank):
                 raise RankError(f"tensor {meta.name!r}: rank {rank} is not among the layout's ranks")
             region = layout.region(rank)
             shards = block_shards(meta, region, rank)
