@@ -187,3 +187,96 @@ def test_read_once_loads_read_each_byte_once(tmp_path: Path, s3_server: Any, s3_
             failed.append(report[-1])
     print("\n".join(report))
     assert not failed, failed
+
+
+# ------------------------------------------------------------------ failures
+def _failure_worker(rank: int, world: int, port: int, root: str, results: str) -> None:
+    import torch.distributed as dist
+    from reshard.layouts.errors import ChecksumError, TensorNotFoundError
+    from reshard.store.frontends import torch as rt
+
+    torchproc.init(rank, world, port)
+    try:
+        outcomes = []
+        for case, url in (("corrupt", f"{root}/corrupt"), ("missing", f"{root}/intact")):
+            target = {"w": rt.from_numpy(np.zeros((256, 512), np.float32))}
+            if case == "missing" and rank == 2:
+                target["not.saved"] = rt.from_numpy(np.zeros(3, np.float32))
+            try:
+                rt.load(target, url, process_group=dist.group.WORLD)
+                outcomes.append((case, "returned", ""))
+            except (ChecksumError, TensorNotFoundError, RuntimeError) as e:
+                outcomes.append((case, type(e).__name__, str(e)))
+        # the group is not left out of step: a load after the failures works on every rank
+        target = {"w": rt.from_numpy(np.zeros((256, 512), np.float32))}
+        rt.load(target, f"{root}/intact", process_group=dist.group.WORLD)
+        want = np.arange(256 * 512, dtype=np.float32).reshape(256, 512)
+        np.testing.assert_array_equal(rt.to_numpy(target["w"]), want)
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, outcomes)
+        if rank == 0:
+            Path(results).write_text(json.dumps(everyone))
+    finally:
+        torchproc.done()
+
+
+def test_a_failed_read_on_one_rank_makes_every_rank_raise(tmp_path: Path) -> None:
+    w = np.arange(256 * 512, dtype=np.float32).reshape(256, 512)
+    layout = {"w": Layout.from_dtensor((4,), ["S(0)"], w.shape)}
+    rs.save({"w": w}, str(tmp_path / "intact"), layout, form="directory")
+    rs.save({"w": w}, str(tmp_path / "corrupt"), layout, form="directory")
+    shard = next((tmp_path / "corrupt").glob("gen-*/w/c/2/0"))
+    blob = bytearray(shard.read_bytes())
+    blob[100] ^= 0xFF  # inside the first chunk's values: its crc32c no longer matches
+    shard.write_bytes(bytes(blob))
+    torchproc.run(_failure_worker, 4, str(tmp_path), str(tmp_path / "results.json"), timeout=300)
+    everyone = json.loads((tmp_path / "results.json").read_text())
+    for case, own in (("corrupt", "ChecksumError"), ("missing", "TensorNotFoundError")):
+        kinds = [next(o for o in outcomes if o[0] == case)[1:] for outcomes in everyone]
+        assert [k for k, _ in kinds].count(own) == 1, kinds  # the rank that met it raises its own error
+        for kind, message in kinds:
+            if kind != own:  # the others are told which rank failed, and why
+                assert kind == "RuntimeError" and own in message and "rank " in message, kinds
+
+
+def _dying_worker(rank: int, world: int, port: int, url: str, results: str) -> None:
+    import signal
+
+    import torch.distributed as dist
+    from reshard.store.frontends import torch as rt
+
+    torchproc.init(rank, world, port)
+    if rank == 1:  # killed (SIGKILL) as it enters the exchange, after reading its part
+        dist.all_to_all_single = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+    began = time.monotonic()
+    try:
+        rt.load({"w": rt.from_numpy(np.zeros((256, 512), np.float32))}, url, process_group=dist.group.WORLD)
+        outcome = "returned"
+    except Exception as e:  # what the survivors must see: an error, not a hang
+        outcome = f"raised {type(e).__name__} after {time.monotonic() - began:.1f} s"
+    Path(f"{results}.{rank}").write_text(outcome)
+    os._exit(0)  # no teardown with a dead peer
+
+
+def test_a_rank_dying_mid_exchange_makes_the_others_raise(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    w = np.arange(256 * 512, dtype=np.float32).reshape(256, 512)
+    rs.save({"w": w}, str(tmp_path / "ck"), {"w": Layout.from_dtensor((4,), ["S(0)"], w.shape)})
+    results = str(tmp_path / "outcome")
+    ctx = mp.start_processes(_dying_worker, args=(4, torchproc.free_port(), str(tmp_path / "ck"), results),
+                             nprocs=4, join=False, start_method="spawn")
+    deadline = time.monotonic() + torchproc.COLLECTIVE_TIMEOUT + 120
+    try:
+        for p in ctx.processes:
+            p.join(max(0.1, deadline - time.monotonic()))
+        codes = [p.exitcode for p in ctx.processes]
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    assert codes[1] == -9, codes  # the killed rank
+    assert [codes[r] for r in (0, 2, 3)] == [0, 0, 0], codes
+    outcomes = [Path(f"{results}.{r}").read_text() for r in (0, 2, 3)]
+    assert all(o.startswith("raised") for o in outcomes), outcomes

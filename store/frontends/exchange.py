@@ -52,7 +52,7 @@ def group_positions(process_group: Any) -> tuple[int, list[int]]:
     """This process's position in the group and the global rank at each position."""
     import torch.distributed as dist
 
-    group = process_group if process_group is not None else dist.group.WORLD
+    group: Any = process_group if process_group is not None else dist.group.WORLD
     size = dist.get_world_size(group)
     return dist.get_rank(group), [dist.get_global_rank(group, i) for i in range(size)]
 

@@ -26,6 +26,7 @@ no framework import. :mod:`reshard.store.frontends.exchange` runs the plan.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -141,19 +142,20 @@ def _hull(boxes: Sequence[Box]) -> Box:
 
 
 # ------------------------------------------------------------------- cells
-def _cells(shard: Box, regions: Sequence[tuple[Box, tuple[int, ...]]]) -> list[Cell]:
+def _cells(shard: Box, regions: Sequence[tuple[Box, tuple[int, ...]]]) -> tuple[list[Cell], list[list[int]] | None]:
     """The parts of ``shard`` the ranks need: cut at every needed region's boundary, one needer set each.
 
     ``regions``: distinct needed boxes meeting the shard, with the positions
-    needing each. When the cuts would make more than :data:`MAX_CELLS` cells,
-    the intersections themselves (which may overlap) are the cells.
+    needing each. Returns the cells and the cuts per dimension; when the cuts
+    would make more than :data:`MAX_CELLS` cells, the intersections themselves
+    (which may overlap) are the cells, and the cuts None.
     """
     parts = [(b, pos) for box, pos in regions if (b := intersect(shard, box)) is not None]
-    if len(parts) == 1:
-        return [Cell(parts[0][0], parts[0][1])]
     cuts = [sorted({x for b, _ in parts for x in b[d]}) for d in range(len(shard))]
+    if len(parts) == 1:
+        return [Cell(parts[0][0], parts[0][1])], cuts
     if math.prod(len(c) - 1 for c in cuts) > MAX_CELLS:
-        return [Cell(b, pos) for b, pos in parts]
+        return [Cell(b, pos) for b, pos in parts], None
     out = []
     for cell in itertools.product(*(list(itertools.pairwise(c)) for c in cuts)):
         needers = sorted({p for b, pos in parts if all(a <= lo and hi <= z for (lo, hi), (a, z) in zip(cell, b,
@@ -161,24 +163,49 @@ def _cells(shard: Box, regions: Sequence[tuple[Box, tuple[int, ...]]]) -> list[C
                           for p in pos})
         if needers:
             out.append(Cell(tuple(cell), tuple(needers)))
-    return out
+    return out, cuts
 
 
-def _units(name: str, meta: ArrayMeta, idx: tuple[int, ...], cells: list[Cell]) -> list[Unit]:
-    """One unit per needer set whose cells fill their hull (else one per cell); a small shard is one unit."""
+def _units(name: str, meta: ArrayMeta, idx: tuple[int, ...], cells: list[Cell],
+           cuts: list[list[int]] | None) -> list[Unit]:
+    """The units of one shard: no inner chunk in two of them, and as few as that allows.
+
+    Cells on both sides of a cut that falls inside inner chunks share those
+    chunks: they form one *block*, read by one reader (each needer then gets
+    its cells from it). Blocks that one set of ranks needs whole are merged
+    where they fill their hull. A small shard (fetched whole) is one unit.
+    """
     itemsize = meta.np_dtype.itemsize
-    if len(cells) > 1 and meta.shard_nbytes(idx) <= SMALL_SHARD_BYTES:  # fetched whole: by one reader
+    if len(cells) == 1:
+        return [Unit(name, cells[0].box, (cells[0],), -1, itemsize)]
+    if meta.shard_nbytes(idx) <= SMALL_SHARD_BYTES:  # fetched whole: by one reader
         return [Unit(name, _hull([c.box for c in cells]), tuple(cells), -1, itemsize)]
-    groups: dict[tuple[int, ...], list[Cell]] = {}
+    if cuts is None:  # overlapping cells: one unit each
+        return [Unit(name, c.box, (c,), -1, itemsize) for c in cells]
+    grid = meta.chunk_grid
+    kept = []
+    for d, cut in enumerate(cuts):  # the cuts at inner chunk boundaries (and the ends) bound the blocks
+        base, step = grid.start(d, idx[d]), meta.chunk[d]
+        kept.append([x for i, x in enumerate(cut) if i in (0, len(cut) - 1) or (x - base) % step == 0])
+    blocks: dict[tuple[int, ...], list[Cell]] = {}
     for c in cells:
-        groups.setdefault(c.needers, []).append(c)
+        at = tuple(bisect.bisect_right(k, lo) - 1 for k, (lo, _) in zip(kept, c.box, strict=True))
+        blocks.setdefault(at, []).append(c)
     out = []
-    for group in groups.values():
+    whole: dict[tuple[int, ...], list[Box]] = {}  # needer set -> blocks it alone needs, each filled by its cells
+    for group in blocks.values():
         hull = _hull([c.box for c in group])
-        if len(group) == 1 or volume(hull) == sum(volume(c.box) for c in group):
-            out.append(Unit(name, hull, (Cell(hull, group[0].needers),), -1, itemsize))
+        sets = {c.needers for c in group}
+        if len(sets) == 1 and volume(hull) == sum(volume(c.box) for c in group):
+            whole.setdefault(group[0].needers, []).append(hull)
         else:
-            out += [Unit(name, c.box, (c,), -1, itemsize) for c in group]
+            out.append(Unit(name, hull, tuple(group), -1, itemsize))
+    for needers, boxes in whole.items():
+        hull = _hull(boxes)
+        if volume(hull) == sum(volume(b) for b in boxes):
+            out.append(Unit(name, hull, (Cell(hull, needers),), -1, itemsize))
+        else:
+            out += [Unit(name, b, (Cell(b, needers),), -1, itemsize) for b in boxes]
     return out
 
 
@@ -228,16 +255,17 @@ def plan(needs: Sequence[Mapping[str, Box]], metas: Mapping[str, ArrayMeta], bud
                 by_shard.setdefault(idx, []).append((box, tuple(pos)))
         for idx in sorted(by_shard):
             shard = box_of(meta.shard_region(idx))
-            units += _units(name, meta, idx, _cells(shard, by_shard[idx]))
+            units += _units(name, meta, idx, *_cells(shard, by_shard[idx]))
     n = len(needs)
     shared_bytes = sum(u.nbytes for u in units if len(_candidates(u)) > 1)
     cap = max(MIN_PIECE_BYTES, shared_bytes // max(1, PIECES_PER_RANK * n))
     cut: list[Unit] = []
     for u in units:
-        fan = len(_candidates(u))
-        if fan > 1 and len(u.cells) == 1:
+        meta = metas[u.name]
+        fan = max(len(c.needers) for c in u.cells)
+        if len(_candidates(u)) > 1 and meta.shard_nbytes(next(iter(meta.shards_in(slices(u.box))))) > SMALL_SHARD_BYTES:
             pieces = max(-(-u.nbytes // cap), -(-u.nbytes * fan // max(1, budget)))
-            cut += _split(u, metas[u.name], pieces)
+            cut += _split(u, meta, pieces)
         else:
             cut.append(u)
     return _schedule(_assign(cut, metas, n, cap), n, budget)
@@ -251,16 +279,19 @@ def _geometry(meta: ArrayMeta) -> tuple[Any, ...]:
 
 
 def _assign(units: list[Unit], metas: Mapping[str, ArrayMeta], n: int, cap: int) -> list[Unit]:
-    """Readers: a unit one rank needs goes to it; shared ones go, in runs, largest first to the least loaded needer.
+    """Readers: a unit one rank needs goes to it; shared ones go, in runs, largest first to the least loaded.
 
     A run is a stretch of at most ``cap`` bytes of the shared units that one
     saving rank wrote and the same ranks need, in the order that rank wrote
     them: in the packed form they lie side by side in its data object, so one
     reader reads them in few requests and no two readers read across each
     other's bytes (the reader merges ranges that lie close, gaps included).
+    A run goes to a rank already reading from that saving rank's object unless
+    another is less loaded by more than :data:`TOUCH_BYTES`; that rank may need
+    none of the run (it is then charged the run's bytes once more, for sending).
     """
     load = [0] * n
-    touched: list[set[int]] = [set() for _ in range(n)]  # the saving ranks whose objects each rank reads from
+    touchers: dict[int, set[int]] = {}  # saving rank -> the ranks reading from its data object
     readers = [-1] * len(units)
     bundles: dict[tuple[int, tuple[int, ...]], list[int]] = {}
     for i, u in enumerate(units):
@@ -270,27 +301,32 @@ def _assign(units: list[Unit], metas: Mapping[str, ArrayMeta], n: int, cap: int)
         if len(cands) == 1:
             readers[i] = cands[0]
             load[cands[0]] += u.nbytes
-            touched[cands[0]].add(writer)
+            touchers.setdefault(writer, set()).add(cands[0])
         else:
             bundles.setdefault((writer, cands), []).append(i)
-    runs: list[tuple[int, tuple[int, ...], list[int]]] = []
+    runs: list[tuple[int, tuple[int, ...], list[int], int]] = []
     for (writer, cands), members in sorted(bundles.items()):
         members.sort(key=lambda i: (_geometry(metas[units[i].name]), units[i].box))
         run: list[int] = []
         size = 0
         for i in members:
             if run and size + units[i].nbytes > cap:
-                runs.append((writer, cands, run))
+                runs.append((writer, cands, run, size))
                 run, size = [], 0
             run.append(i)
             size += units[i].nbytes
-        runs.append((writer, cands, run))
-    for writer, cands, run in sorted(runs, key=lambda r: -sum(units[i].nbytes for i in r[2])):
-        reader = min(cands, key=lambda p: (load[p] + (0 if writer in touched[p] else TOUCH_BYTES), p))
-        touched[reader].add(writer)
+        runs.append((writer, cands, run, size))
+    for writer, cands, run, size in sorted(runs, key=lambda r: -r[3]):
+        near = touchers.setdefault(writer, set())
+
+        def cost(p: int, near: set[int] = near, cands: tuple[int, ...] = cands, size: int = size) -> tuple[int, int]:
+            return load[p] + (0 if p in near else TOUCH_BYTES) + (0 if p in cands else size), p
+
+        reader = min(sorted(near.union(cands)), key=cost)
+        near.add(reader)
         for i in run:
             readers[i] = reader
-            load[reader] += units[i].nbytes
+        load[reader] += size
     return [Unit(u.name, u.box, u.cells, r, u.itemsize) for u, r in zip(units, readers, strict=True)]
 
 

@@ -353,7 +353,8 @@ def load(state_dict: Mapping[str, Any], url: str, *, strict: bool = True, proces
     else:
         ckpt = open(url, storage_options=storage_options, engine=engine)
         layouts, values, updates = _targets(ckpt, state_dict, rank, strict)
-        # CPU contiguous tensors of the stored dtype are read into in place; others get a (pinned, for a GPU) staged copy
+        # CPU contiguous tensors of the stored dtype are read into in place; others get a (pinned, for a GPU)
+        # staged copy
         ckpt.load(layouts, rank, as_="torch", out=values)
         stats = ckpt.last_stats
     for container, key, leaf in updates:
