@@ -10,7 +10,8 @@ them, chosen so that the bytes read are balanced over the ranks (largest
 first, to the least loaded), and its cells are sent to the others. Large shared
 units are cut, at inner chunk boundaries, into pieces of a fraction of what the
 group reads, so the work spreads even when a checkpoint holds few large shards,
-and so that no piece exceeds the memory budget of one round.
+and so that a round holds a piece from every reader (one piece, its copies sent and
+the pieces received from the others within the budget).
 
 Every stored byte is then read once: units of one shard are disjoint, a shard
 small enough to be fetched whole (:data:`SMALL_SHARD_BYTES`) is one unit, and
@@ -264,7 +265,7 @@ def plan(needs: Sequence[Mapping[str, Box]], metas: Mapping[str, ArrayMeta], bud
         meta = metas[u.name]
         fan = max(len(c.needers) for c in u.cells)
         if len(_candidates(u)) > 1 and meta.shard_nbytes(next(iter(meta.shards_in(slices(u.box))))) > SMALL_SHARD_BYTES:
-            pieces = max(-(-u.nbytes // cap), -(-u.nbytes * fan // max(1, budget)))
+            pieces = max(-(-u.nbytes // cap), -(-u.nbytes * 2 * fan // max(1, budget)))
             cut += _split(u, meta, pieces)
         else:
             cut.append(u)
