@@ -18,8 +18,10 @@ to the device tensors there). Every pair of ranks also exchanges a 64-byte
 header per round whose first byte says whether the sender failed: a rank whose
 read fails still takes part in the round's collective, so every rank learns of
 it in the same round and all raise (the failing rank its own error, the others
-a ``RuntimeError`` naming it). A rank that dies makes the others' collective
-fail (or time out, by the group's timeout) instead.
+a ``RuntimeError`` naming it); a failure copying a round's parts into the
+tensors is told in the next round's headers, or in one last small
+``all_gather_object`` after the last round. A rank that dies makes the others'
+collective fail (or time out, by the group's timeout) instead.
 
 torch is imported inside the functions.
 """
@@ -112,8 +114,13 @@ def read_once(ckpt: Checkpoint | None, targets: Mapping[str, tuple[Any, Box]], f
     plan = readplan.plan(wanted, metas, budget)
     device = _comm_device(process_group)
     stats = IOStats()
+    late: BaseException | None = None  # a failure placing a round's parts: told in the next round's headers
     for r in range(len(plan.rounds)):
-        stats.add(**_round(ckpt, plan, r, me, order, targets, metas, device, process_group).as_dict())
+        got, late = _round(ckpt, plan, r, me, order, targets, metas, device, process_group, late)
+        stats.add(**got.as_dict())
+    errors: list[Any] = [None] * len(order)  # the last round's placing, agreed
+    dist.all_gather_object(errors, None if late is None else f"{type(late).__name__}: {late}", group=process_group)
+    _raise_if_failed(errors, order, late)
     return stats
 
 
@@ -128,22 +135,31 @@ def _raise_if_failed(errors: list[str | None], order: list[int], failure: BaseEx
 
 def _round(ckpt: Checkpoint, plan: Plan, r: int, me: int, order: list[int],
            targets: Mapping[str, tuple[Any, Box]], metas: Mapping[str, Any], device: Any,
-           process_group: Any) -> IOStats:
-    """One round: read this rank's units, exchange, place; every rank learns whether any failed."""
+           process_group: Any, late: BaseException | None) -> tuple[IOStats, BaseException | None]:
+    """One round: read this rank's units, exchange, place; every rank learns whether any failed.
+
+    ``late``: a failure of this rank placing the previous round's parts. Returns the
+    round's read counters and a failure placing this round's parts (None if none).
+    """
     import torch
     import torch.distributed as dist
 
     n = len(order)
     transfers = plan.transfers(r)
-    sizes = [[ALIGN + sum(_aligned(volume(plan.units[u].cells[c].box) * plan.units[u].itemsize)
-                          for u, c in transfers.get((src, dst), ())) for dst in range(n)] for src in range(n)]
-    send_sizes, recv_sizes = sizes[me], [sizes[src][me] for src in range(n)]
+
+    def size(parts: list[tuple[int, int]]) -> int:
+        return ALIGN + sum(_aligned(volume(plan.units[u].cells[c].box) * plan.units[u].itemsize) for u, c in parts)
+
+    send_sizes = [size(transfers.get((me, dst), [])) for dst in range(n)]
+    recv_sizes = [size(transfers.get((src, me), [])) for src in range(n)]
     data: dict[int, np.ndarray] = {}
     direct: set[int] = set()
     stats = IOStats()
-    failure: BaseException | None = None
+    failure = late
     send = torch.zeros(sum(send_sizes), dtype=torch.uint8, pin_memory=device.type == "cuda")
     try:
+        if failure is not None:
+            raise failure
         jobs = []
         for u in plan.rounds[r]:
             unit = plan.units[u]
@@ -172,9 +188,12 @@ def _round(ckpt: Checkpoint, plan: Plan, r: int, me: int, order: list[int],
         mine = None if failure is None else f"{type(failure).__name__}: {failure}"
         dist.all_gather_object(errors, mine, group=process_group)
         _raise_if_failed(errors, order, failure)
-    _place_own(plan, r, me, data, direct, targets)
-    _place_received(recv, plan, transfers, me, starts, targets, metas)
-    return stats
+    try:
+        _place_own(plan, r, me, data, direct, targets)
+        _place_received(recv, plan, transfers, me, starts, targets, metas)
+    except Exception as e:
+        return stats, e
+    return stats, None
 
 
 def _direct_view(unit: readplan.Unit, me: int, targets: Mapping[str, tuple[Any, Box]],
