@@ -280,3 +280,44 @@ def test_a_rank_dying_mid_exchange_makes_the_others_raise(tmp_path: Path) -> Non
     assert [codes[r] for r in (0, 2, 3)] == [0, 0, 0], codes
     outcomes = [Path(f"{results}.{r}").read_text() for r in (0, 2, 3)]
     assert all(o.startswith("raised") for o in outcomes), outcomes
+
+
+# ------------------------------------------------------------- GPU targets
+def _cuda_worker(rank: int, world: int, port: int, url: str, backend: str) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from reshard.store.frontends import torch as rt
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=torchproc.COLLECTIVE_TIMEOUT))
+    try:
+        want = state()
+        target = {n: torch.zeros(v.shape, dtype=torch.float32 if n == "norm" else rt.from_numpy(v).dtype,
+                                 device=device) for n, v in want.items()}  # "norm" cast bfloat16 -> float32
+        stats = rt.load(target, url, process_group=dist.group.WORLD)
+        for name, value in target.items():
+            assert value.device == device, name
+            expect = rt.from_numpy(want[name].copy()).to(value.dtype)
+            assert torch.equal(value.cpu(), expect), name
+        assert stats.bytes_fetched < sum(v.nbytes for v in want.values())  # a share, not the whole
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("backend", "gpus"), [("gloo", 1), ("nccl", 2)])
+def test_read_once_into_gpu_tensors(tmp_path: Path, backend: str, gpus: int) -> None:
+    """Targets in GPU memory: gloo exchanges through host buffers; NCCL receives into device memory (one GPU
+    per rank). Runs on a machine with CUDA (the lent GPU machine), skipped elsewhere."""
+    import torch
+
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} CUDA device(s) (runs on the lent GPU machine)")
+    url = str(tmp_path / "ck")
+    rs.save(state(), url, saving_layouts())
+    torchproc.run(_cuda_worker, 2, url, backend, timeout=300)
