@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         from reshard.store.testing import LocalS3Server, S3Proxy
 
         server = LocalS3Server().start()
+        server.make_bucket("bench-w6")
         proxy = S3Proxy(server.endpoint_url).start()
         stores.append(("s3", proxy))
     print(f"W6: {size / 2**20:.0f} MiB, 8 ranks; {args.reps} runs each, reshard and DCP alternating", flush=True)
@@ -175,15 +176,10 @@ def main(argv: list[str] | None = None) -> int:
                         if px is None:
                             url, options = os.path.join(work, f"{case}-{system}-{rep}"), {}
                         else:
-                            url, options = f"s3://w6/{case}-{system}-{rep}", px.storage_options()
-                            import s3fs
-
-                            fs = s3fs.S3FileSystem(**options)
-                            if not fs.exists("w6"):
-                                fs.mkdir("w6")
-                        before = px.bytes_sent() if px is not None else 0
+                            url, options = f"s3://bench-w6/{case}-{system}-{rep}", px.storage_options()
+                        before = px.bytes_sent if px is not None else 0
                         m = run_once(system, case, args.mib, url, options)
-                        m["gets"] = px.bytes_sent() - before if px is not None else None
+                        m["gets"] = px.bytes_sent - before if px is not None else None
                         rows[system].append(m)
                         if px is None:
                             shutil.rmtree(url, ignore_errors=True)

@@ -122,7 +122,7 @@ def _load_worker(rank: int, world: int, port: int, root: str, sources: list[Any]
                     group = dist.group.WORLD if mode == "group" else None
                     dist.barrier()
                     began = time.perf_counter()
-                    stats = rt.load(target, url, process_group=group,
+                    stats = rt.load(target, url, process_group=group, read_once=group is not None,
                                     storage_options=options[f"{kind}/{mode}"] if options else None)
                     took = time.perf_counter() - began
                     _check(target, rank)
@@ -203,13 +203,13 @@ def _failure_worker(rank: int, world: int, port: int, root: str, results: str) -
             if case == "missing" and rank == 2:
                 target["not.saved"] = rt.from_numpy(np.zeros(3, np.float32))
             try:
-                rt.load(target, url, process_group=dist.group.WORLD)
+                rt.load(target, url, process_group=dist.group.WORLD, read_once=True)
                 outcomes.append((case, "returned", ""))
             except (ChecksumError, TensorNotFoundError, RuntimeError) as e:
                 outcomes.append((case, type(e).__name__, str(e)))
         # the group is not left out of step: a load after the failures works on every rank
         target = {"w": rt.from_numpy(np.zeros((256, 512), np.float32))}
-        rt.load(target, f"{root}/intact", process_group=dist.group.WORLD)
+        rt.load(target, f"{root}/intact", process_group=dist.group.WORLD, read_once=True)
         want = np.arange(256 * 512, dtype=np.float32).reshape(256, 512)
         np.testing.assert_array_equal(rt.to_numpy(target["w"]), want)
         everyone: list[Any] = [None] * world
@@ -250,7 +250,8 @@ def _dying_worker(rank: int, world: int, port: int, url: str, results: str) -> N
         dist.all_to_all_single = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
     began = time.monotonic()
     try:
-        rt.load({"w": rt.from_numpy(np.zeros((256, 512), np.float32))}, url, process_group=dist.group.WORLD)
+        rt.load({"w": rt.from_numpy(np.zeros((256, 512), np.float32))}, url, process_group=dist.group.WORLD,
+                read_once=True)
         outcome = "returned"
     except Exception as e:  # what the survivors must see: an error, not a hang
         outcome = f"raised {type(e).__name__} after {time.monotonic() - began:.1f} s"
@@ -299,7 +300,7 @@ def _cuda_worker(rank: int, world: int, port: int, url: str, backend: str) -> No
         want = state()
         target = {n: torch.zeros(v.shape, dtype=torch.float32 if n == "norm" else rt.from_numpy(v).dtype,
                                  device=device) for n, v in want.items()}  # "norm" cast bfloat16 -> float32
-        stats = rt.load(target, url, process_group=dist.group.WORLD)
+        stats = rt.load(target, url, process_group=dist.group.WORLD, read_once=True)
         for name, value in target.items():
             assert value.device == device, name
             expect = rt.from_numpy(want[name].copy()).to(value.dtype)

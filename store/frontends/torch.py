@@ -293,7 +293,8 @@ def save(state_dict: Mapping[str, Any], url: str, *, process_group: Any = None, 
 
 
 def load(state_dict: Mapping[str, Any], url: str, *, strict: bool = True, process_group: Any = None,
-         storage_options: dict[str, Any] | None = None, engine: str = "fast") -> IOStats:
+         storage_options: dict[str, Any] | None = None, engine: str = "fast",
+         read_once: bool | None = None) -> IOStats:
     """Fill a (DTensor) state dict in place from a checkpoint; call on every rank.
 
     Each DTensor's local tensor receives its own region under its own mesh
@@ -302,7 +303,8 @@ def load(state_dict: Mapping[str, Any], url: str, *, strict: bool = True, proces
     of another dtype are cast as by ``Tensor.copy_``.
 
     Without ``process_group`` every rank reads its own regions from storage,
-    with no collective. With one, the load is read-once: every stored byte
+    with no collective. With one, on an object store (or with
+    ``read_once=True``), the load is read-once: every stored byte
     some ranks of the group need is read from storage by one of them (the
     reading balanced over the ranks) and handed to the others with
     ``all_to_all_single`` (gloo on CPU; with NCCL into device memory), in
@@ -323,6 +325,13 @@ def load(state_dict: Mapping[str, Any], url: str, *, strict: bool = True, proces
         The ranks that load together and share their reads (e.g.
         ``dist.group.WORLD``); every rank of it must call ``load``. None:
         independent reads (also when torch.distributed is not initialized).
+    read_once : bool, optional
+        With a group: share the reads (True) or read independently (False).
+        Default: read-once when ``url`` is an object store (``s3://``, ``gs://``...),
+        independent reads for local paths, where the ranks of one host share
+        the page cache (each byte comes from the disk once anyway) and the
+        exchange over loopback costs more than it saves (docs/torch.md). Pass
+        True for a file system shared by several hosts (Lustre, NFS).
     storage_options, engine
         As for :func:`reshard.store.open`.
 
@@ -332,8 +341,10 @@ def load(state_dict: Mapping[str, Any], url: str, *, strict: bool = True, proces
         This rank's read counters (with a group: what this rank read for the group).
     """
     rank, ranks = _group(process_group)
-    if process_group is not None and len(ranks) > 1:
-        from .exchange import read_once
+    if read_once is None:  # the same on every rank: no collective needed to agree
+        read_once = "://" in url and not url.startswith("file://")
+    if read_once and process_group is not None and len(ranks) > 1:
+        from .exchange import read_once as exchange
 
         ckpt, failure = None, None
         targets: dict[str, tuple[Any, tuple[tuple[int, int], ...]]] = {}
@@ -349,7 +360,7 @@ def load(state_dict: Mapping[str, Any], url: str, *, strict: bool = True, proces
                 targets[name] = (values[name], tuple((s.start, s.stop) for s in layout.region(rank)))
         except Exception as e:  # every rank of the group raises (this one its own error)
             failure = e
-        stats = read_once(ckpt, targets, failure, process_group)
+        stats = exchange(ckpt, targets, failure, process_group)
     else:
         ckpt = open(url, storage_options=storage_options, engine=engine)
         layouts, values, updates = _targets(ckpt, state_dict, rank, strict)
