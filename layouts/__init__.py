@@ -7,7 +7,7 @@ No I/O and no framework imports. The public names::
     from reshard.layouts import parse_strategy, dump_strategy, strategy_layouts
 """
 
-from .core import Layout
+from .core import Layout, all_ranks
 from .errors import (
     FormatError,
     LayoutError,
@@ -36,6 +36,7 @@ __all__ = [
     "ReshardError",
     "ShapeMismatchError",
     "UnsupportedError",
+    "all_ranks",
     "dump_strategy",
     "intersect",
     "layout_for",

@@ -267,8 +267,21 @@ class FlatLayout(Layout):
         raise UnsupportedError(f"{self.describe()}: a flat layout has no mesh table (Layout internals)")
 
     @property
+    def _geo(self) -> Any:
+        """Refused, as :attr:`_info`: the O(ndim) mesh geometry of block layouts."""
+        raise UnsupportedError(f"{self.describe()}: a flat layout has no mesh geometry (Layout internals)")
+
+    @property
     def _whole(self) -> bool:
         return False
+
+    def block_shape(self) -> tuple[int, ...]:
+        """The shape of the first block (box): a regular flat layout's grid cell; the shape if none."""
+        blocks = self.blocks()
+        return blocks[0].shape if blocks else self.shape
+
+    def has_rank(self, rank: int) -> bool:
+        return isinstance(rank, int) and rank in self._flat.index
 
     def region(self, rank: int) -> tuple[slice, ...]:
         """Refused: a flat range is several boxes (:meth:`boxes`), not one region."""

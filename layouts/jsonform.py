@@ -29,6 +29,7 @@ import json
 import math
 from typing import TYPE_CHECKING, Any
 
+from . import _ranks
 from .errors import FormatError, LayoutError
 
 if TYPE_CHECKING:
@@ -44,10 +45,8 @@ _FLAT_KEYS = {"version", "kind", "shape", "ranges", "even", "origin"}
 
 def to_json(layout: Layout) -> dict[str, Any]:
     """Return the JSON-able dict of `layout` (lists, ints, strings, bools, None)."""
-    r = layout.ranks
-    ranks: Any = (
-        {"range": [r[0], r[0] + len(r)]} if r == tuple(range(r[0], r[0] + len(r))) else list(r)
-    )
+    found = layout._rankset
+    ranks: Any = {"range": [found.start, found.start + layout.size]} if found.start is not None else found.as_list
     explicit = None
     if layout.explicit is not None:
         explicit = [[rk, list(off), list(shp), rid] for rk, off, shp, rid in layout.explicit]
@@ -105,7 +104,7 @@ def from_json(obj: Any) -> Layout:
         bounds = _int_list(ranks.get("range"), "ranks.range")
         if len(bounds) != 2 or bounds[1] - bounds[0] != positions:
             raise FormatError(f"layout JSON ranks.range {bounds} must be [start, start + {positions}] for mesh {mesh}")
-        ranks = list(range(*bounds))
+        ranks = _ranks.run(bounds[0], positions).ranks if bounds[0] >= 0 else list(range(*bounds))
     dims = obj.get("dims", [])
     if not isinstance(dims, list):
         raise FormatError(f"layout JSON field 'dims' must be a list, got {dims!r}")
@@ -128,7 +127,7 @@ def from_json(obj: Any) -> Layout:
     if origin is not None and not isinstance(origin, dict):
         raise FormatError(f"layout JSON origin must be an object or null, got {origin!r}")
     if (mesh == [1] and blocks is None and opt is None and origin is None and split == "even" and not nested
-            and isinstance(ranks, list) and len(ranks) == 1 and type(ranks[0]) is int and ranks[0] >= 0
+            and isinstance(ranks, (list, tuple)) and len(ranks) == 1 and type(ranks[0]) is int and ranks[0] >= 0
             and all(a == [] for a in dims)):  # one rank's whole tensor (the most common record): no checks left
         shape = _int_list(obj.get("shape"), "shape")
         if len(dims) == len(shape) and all(n >= 0 for n in shape):
@@ -137,7 +136,7 @@ def from_json(obj: Any) -> Layout:
         return Layout(
             shape=tuple(_int_list(obj.get("shape"), "shape")),
             mesh=tuple(mesh),
-            ranks=tuple(_int_list(ranks, "ranks")),
+            ranks=ranks if type(ranks) is tuple else tuple(_int_list(ranks, "ranks")),  # a run: checked once
             dims=tuple(tuple(_int_list(a, "dims")) for a in dims),
             split=split,
             nested=nested,

@@ -229,11 +229,17 @@ def allowed_grids(layout: Layout) -> list[Grid]:
     piece count).
 
     What ``commit`` and ``open`` accept: an edited grid would read other shards' bytes.
+    Computed once per distinct layout (a model's tensors share a few).
     """
+    return list(_allowed_grids(layout))
+
+
+@functools.lru_cache(maxsize=4096)
+def _allowed_grids(layout: Layout) -> tuple[Grid, ...]:
     if not layout.shape or layout.is_regular():
-        return list(dict.fromkeys([choose_grid(layout), choose_grid(layout, balance=True)]))
-    return [choose_grid(layout, "exact", regular=False), choose_grid(layout, "regular", regular=False),
-            choose_grid(layout, single_writer=True, regular=False)]
+        return tuple(dict.fromkeys([choose_grid(layout), choose_grid(layout, balance=True)]))
+    return (choose_grid(layout, "exact", regular=False), choose_grid(layout, "regular", regular=False),
+            choose_grid(layout, single_writer=True, regular=False))
 
 
 def choose_grid(layout: Layout, grid: str = "exact", single_writer: bool = False,
@@ -255,7 +261,14 @@ def choose_grid(layout: Layout, grid: str = "exact", single_writer: bool = False
     balance : bool
         A regular layout's replicated blocks are cut into one sub-shard per
         holder (:func:`balanced_grid`); ignored with ``single_writer``.
+
+    Computed once per distinct layout and arguments (a model's tensors share a few layouts).
     """
+    return _choose_grid(layout, grid, single_writer, regular, balance)
+
+
+@functools.lru_cache(maxsize=4096)
+def _choose_grid(layout: Layout, grid: str, single_writer: bool, regular: bool | None, balance: bool) -> Grid:
     if grid not in GRID_CHOICES:
         raise ValueError(f"grid must be one of {GRID_CHOICES}, got {grid!r}")
     shape = tuple(layout.shape)
@@ -264,8 +277,7 @@ def choose_grid(layout: Layout, grid: str = "exact", single_writer: bool = False
     if layout.is_regular() if regular is None else regular:
         if not all(shape):
             return Grid(shape, tuple(max(1, n) for n in shape))
-        # the first block's shape: it starts at 0 and ends at each dim's first boundary after 0
-        blocks = Grid(shape, tuple(layout.boundaries(d)[1] for d in range(len(shape))))
+        blocks = Grid(shape, layout.block_shape())  # the first block's shape: O(ndim), whatever the rank count
         return balanced_grid(layout, blocks) if balance and not single_writer else blocks
     if single_writer and isinstance(layout, FlatLayout):
         return flat_rows_grid(layout)
@@ -310,21 +322,22 @@ def balanced_grid(layout: Layout, blocks: Grid) -> Grid:
     return Grid(blocks.shape, tuple(n // best if d == dim else n for d, n in enumerate(cell)))
 
 
+@functools.lru_cache(maxsize=1 << 14)
 def shard_writer(layout: Layout, grid: Grid, index: tuple[int, ...]) -> int:
     """The rank that writes the shard at ``index`` of ``grid``.
 
     A sub-shard of a balanced grid (:func:`balanced_grid`): the holder of its
     block whose replica id is the sub-shard's position in the block; any other
-    shard: its block's replica 0.
+    shard: its block's replica 0. Kept per (layout, grid, index): the tensors
+    of a model share a few layouts and grids, and a rank asks about the same few shards of each.
     """
     start = tuple(grid.start(d, i) for d, i in enumerate(index))
-    holders = layout.holders(start)
-    if grid.edges is None and len(holders) > 1 and layout.is_regular():
-        for d, (s, x) in enumerate(zip(grid.shard, start, strict=True)):
-            cell = layout.boundaries(d)[1]
+    if grid.edges is None and layout.is_regular():
+        for s, x, cell in zip(grid.shard, start, layout.block_shape(), strict=True):
             if s < cell:  # the cut dimension: the shard's position in its block
+                holders = layout.holders(start)
                 return holders[(x % cell) // s % len(holders)]
-    return holders[0]
+    return layout.owner(start)
 
 
 def writes_any(layout: Layout, rank: int, balance: bool = True) -> bool:

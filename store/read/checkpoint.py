@@ -286,13 +286,13 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
             from .torch_load import load_torch
 
             wanted = [(n, m, lay.local_shape(rank), target_region(lay, rank)) for n, m in self._select(layouts, names)
-                      if rank in (lay := self._target(layouts, m)).ranks]
+                      if (lay := self._target(layouts, m)).has_rank(rank)]
             return unflatten({**self.leaves, **load_torch(self, wanted, out, device, pin_memory)})
         given = flatten(out, self.arrays)[0] if out is not None else {}
         wanted = []
         for name, meta in self._select(layouts, names):
             layout = self._target(layouts, meta)
-            if rank in layout.ranks:
+            if layout.has_rank(rank):
                 wanted.append((name, meta, layout.local_shape(rank), target_region(layout, rank)))
         fresh = iter(allocate([(shape, meta.np_dtype) for name, meta, shape, _ in wanted if name not in given]))
         jobs = []

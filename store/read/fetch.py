@@ -276,7 +276,9 @@ class Fetcher:
         chunks lie as reshard writes them), merged per object into requests;
         then the chunk reads not served from those bytes, merged again. A small
         shard of one chunk that a job wants whole skips the first step: it is read
-        straight into the job's array (:func:`reshard.store.format.shard.execute_whole`).
+        straight into the job's array (:func:`reshard.store.format.shard.execute_whole`),
+        unless the locator read part of it already with the end of its object (then
+        the first step reads only the part before: no byte twice).
         """
         assert self.locator is not None
         root = self.root
@@ -295,7 +297,8 @@ class Fetcher:
                 if not meta.shape:
                     ranges.append((obj, off, off + n))
                 elif (len(located) == 1 and n <= self.small_shard_bytes and key not in self.indexes
-                      and key not in taken and (ends is None or ends.get(obj, off, off + n) is None)
+                      and key not in taken and (ends is None or (ends.get(obj, off, off + n) is None
+                                                                 and ends.held_from(obj, off, off + n) == off + n))
                       and (w := whole_read(meta, shard, region, dest, key, off, n)) is not None):
                     direct.setdefault(obj, []).append(w)
                     direct_jobs.add(j)

@@ -85,7 +85,7 @@ class TensorPlan:
         part = self.parts.get(rank)
         if part is None:
             layout, meta = self.meta.layout, self.meta
-            if rank not in layout.ranks:
+            if not layout.has_rank(rank):
                 raise RankError(f"tensor {meta.name!r}: rank {rank} is not among the layout's ranks")
             region: tuple[slice, ...] | None = None
             shards: tuple[tuple[tuple[int, ...], Any, bytes], ...]

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-from reshard.layouts import Layout
+from reshard.layouts import Layout, all_ranks
 from reshard.layouts.errors import (
     CheckpointExistsError,
     LayoutError,
@@ -209,7 +209,7 @@ class CheckpointWriter:
                     f"tensor {name!r} on rank {rank}: local shape {tuple(arr.shape)}, "
                     f"layout {plan.meta.layout.describe()} expects {tuple(want)}"
                 )
-        missing = [n for n in self.names() if n not in tensors and rank in self.layout(n).ranks]
+        missing = [n for n in self.names() if n not in tensors and self.layout(n).has_rank(rank)]
         if missing:
             raise LayoutError(f"rank {rank} holds {missing} by its layouts but did not pass them")
         self._check_not_written(rank)
@@ -294,10 +294,10 @@ class CheckpointWriter:
         self._json_manifests = True
         records = {**self._located, **(located or {})}
         hashes = {k: v for k, v in self._hashes.items() if k in records}
-        ranks = sorted(set().union(*(m.layout.ranks for m in metas.values()))) or [0]
+        ranks = sorted(all_ranks(m.layout for m in metas.values())) or [0]
         stored = json_leaves(leaves)
         for rank in ranks:
-            held = {n: m for n, m in metas.items() if rank in m.layout.ranks}
+            held = {n: m for n, m in metas.items() if m.layout.has_rank(rank)}
             manifest = rank_manifest(rank, self.save_id, held, stored)
             if self.form == "packed":
                 manifest["packed"] = records if rank == ranks[0] else {}
@@ -360,9 +360,9 @@ class CheckpointWriter:
         """
         names = self.names()
         if ranks is None and names:
-            ranks = sorted(set().union(*(self.layout(n).ranks for n in names)))
+            ranks = sorted(all_ranks(self.layout(n) for n in names))
         elif ranks is not None and names:
-            ranks = sorted(set(ranks).union(*(self.layout(n).ranks for n in names)))
+            ranks = sorted(set(ranks) | all_ranks(self.layout(n) for n in names))
         # where the manifests are: a packed rank's in its data object; write_manifests' as JSON
         form = None if self._json_manifests else self.form
         return commit(self.root, save_id=self.save_id, ranks=ranks, known=self._known, **{"form": form, **options})
