@@ -41,6 +41,8 @@ VERSION = 1
 MAX_RANKS = 1 << 24
 _KEYS = {"version", "shape", "mesh", "ranks", "dims", "split", "nested", "opt_shard", "explicit", "origin"}
 _FLAT_KEYS = {"version", "kind", "shape", "ranges", "even", "origin"}
+#: Most dims a stored flat layout may have (its checks and boxes go dim by dim).
+MAX_FLAT_NDIM = 64
 
 
 def to_json(layout: Layout) -> dict[str, Any]:
@@ -176,6 +178,8 @@ def _flat_from_json(obj: dict[str, Any]) -> FlatLayout:
     if unknown:
         raise FormatError(f"layout JSON has unknown fields {sorted(unknown)}")
     shape = _int_list(obj.get("shape"), "shape")
+    if len(shape) > MAX_FLAT_NDIM:
+        raise FormatError(f"layout JSON flat layout has {len(shape)} dims, over {MAX_FLAT_NDIM}")
     ranges, origin = obj.get("ranges"), obj.get("origin")
     if origin is not None and not isinstance(origin, dict):
         raise FormatError(f"layout JSON origin must be an object or null, got {origin!r}")

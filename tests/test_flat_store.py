@@ -134,3 +134,14 @@ def test_plain_zarr_reads_an_imported_flat_checkpoint(tmp_path):
         np.testing.assert_array_equal(group[name][...], arr)  # the parameter's own shape, regular grid
         assert group[name].attrs["reshard"]["layout"]["kind"] == "flat"
     assert rs.verify(str(tmp_path / "dir")).ok
+
+
+def test_stored_flat_layouts_are_bounded():
+    from reshard.store.format.schema import MAX_RANKS, layout_of
+
+    with pytest.raises(rs.FormatError, match="over the limit"):
+        layout_of({"version": 1, "kind": "flat", "shape": [4], "even": {"range": [0, MAX_RANKS + 1]}}, "here")
+    with pytest.raises(rs.FormatError, match="over the limit"):
+        layout_of({"version": 1, "kind": "flat", "shape": [4], "ranges": [[0, 0, 0, 0]] * (MAX_RANKS + 1)}, "here")
+    lay = zero_layouts(SHAPES, 3)["emb"]
+    assert layout_of(lay.to_json(), "here", lay.shape) == lay

@@ -149,6 +149,14 @@ def layout_of(value: Any, where: str, shape: tuple[int, ...] | None = None) -> L
     if type(mesh) is list and all(is_int(n) for n in mesh) and math.prod(mesh) > MAX_RANKS:
         raise FormatError(f"{where}: its layout's mesh {mesh} has {math.prod(mesh)} ranks, over the limit of "
                           f"{MAX_RANKS}")
+    ranges = value.get("ranges") if isinstance(value, dict) else None  # a flat layout: one range a rank
+    even = value.get("even") if isinstance(value, dict) else None
+    if isinstance(even, dict) and type(even.get("range")) is list and len(even["range"]) == 2 \
+            and all(is_int(n) for n in even["range"]):
+        even = range(*even["range"])
+    for listed in (ranges, even):
+        if isinstance(listed, (list, range)) and len(listed) > MAX_RANKS:
+            raise FormatError(f"{where}: its flat layout has {len(listed)} ranks, over the limit of {MAX_RANKS}")
     try:
         layout = Layout.from_json(value)
     except FormatError as e:

@@ -195,6 +195,7 @@ def test_even_layouts_have_a_short_json_form():
     ({"version": 1, "kind": "flat", "shape": [2], "even": {"range": [3, 1]}}, "range"),
     ({"version": 1, "kind": "flat", "shape": [2], "even": [0], "ranges": [[0, 0, 2, 0]]}, "both"),
     ({"version": 1, "kind": "flat", "shape": [2], "even": [0, 0]}, "impossible"),
+    ({"version": 1, "kind": "flat", "shape": [1] * 65, "even": [0]}, "65 dims"),
     ({"version": 1, "kind": "flat", "shape": [2], "ranges": []}, "non-empty"),
     ({"version": 1, "kind": "flat", "shape": [2], "ranges": [[0, 0, 2]]}, "must be"),
     ({"version": 1, "kind": "flat", "shape": [2], "ranges": [[0, 0, 1, 0]]}, "impossible"),
