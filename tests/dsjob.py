@@ -2,6 +2,7 @@
 
 ``python dsjob.py save OUT WORLD STAGE``: train a small model two steps and ``save_checkpoint(OUT, tag="step")``.
 ``python dsjob.py resave IN OUT WORLD STAGE``: build the same engine, ``load_checkpoint(IN)``, save it again to OUT.
+A negative STAGE trains in bf16 (ZeRO-|STAGE|).
 Not a test module (no ``test_`` prefix): pytest does not collect it.
 """
 
@@ -34,8 +35,8 @@ def run(rank: int, world: int, port: int, mode: str, src: str, out: str, stage: 
 
     deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=120))
     model, opt = model_and_optimizer()
-    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
-              "zero_allow_untested_optimizer": True}
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": abs(stage)},
+              "zero_allow_untested_optimizer": True, "bf16": {"enabled": stage < 0}}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     if mode == "save":
         g = torch.Generator().manual_seed(rank)

@@ -75,8 +75,9 @@ def reference_parts(stage: int, shapes: list[tuple[int, ...]], dp: int) -> list[
     return out
 
 
-def build_save(folder: Path, stage: int, dp: int) -> dict[str, np.ndarray]:
-    """A ZeRO save as DeepSpeed lays it out; returns every tensor by the name reshard gives it."""
+def build_save(folder: Path, stage: int, dp: int, prefix: str = "") -> dict[str, np.ndarray]:
+    """A ZeRO save as DeepSpeed lays it out; returns every tensor by the name reshard gives it. ``prefix="bf16_"``:
+    the bf16 optimizer's files (ZeRO-1, no ``zero_stage`` recorded)."""
     folder.mkdir(parents=True)
     full = {}
     for named in GROUPS:
@@ -116,8 +117,10 @@ def build_save(folder: Path, stage: int, dp: int) -> dict[str, np.ndarray]:
                    "single_partition_of_fp32_groups": fp32, "group_paddings": paddings,
                    "param_alignment_paddings": [[0] * len(n) for n in GROUPS],
                    "partition_count": [dp] * len(GROUPS), "ds_version": "0.19.8", "param_slice_mappings": maps}
+        if prefix:
+            del osd["zero_stage"]
         torch.save({"optimizer_state_dict": osd, "ds_config": {"zero_optimization": {"stage": stage}},
-                    "ds_version": "0.19.8"}, folder / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
+                    "ds_version": "0.19.8"}, folder / f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
                    pickle_module=PICKLE)
     shapes = [{n: torch.Size(s) for n, s in named} for named in GROUPS]
     module = {n: torch.from_numpy(full[f"module.{n}"]) if stage != 3 else torch.empty(0)
@@ -182,6 +185,18 @@ def test_import_redivide_export_built_saves(tmp_path, stage, dp, new):
     for name, arr in full.items():
         np.testing.assert_array_equal(back[name].read(), arr, err_msg=name)
     assert back.leaves["deepspeed"]["groups"][0]["hyper"]["betas"] == [0.9, 0.999]
+
+
+def test_bf16_optimizer_files(tmp_path):
+    full = build_save(tmp_path / "ds" / "s", 1, 3, prefix="bf16_")
+    assert import_deepspeed(str(tmp_path / "ds"), str(tmp_path / "rs"))["stage"] == 1
+    export_deepspeed(str(tmp_path / "rs"), str(tmp_path / "out"), 2)
+    assert sorted(p.name for p in (tmp_path / "out" / "reshard").iterdir() if "optim" in p.name) == [
+        f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(2)]
+    import_deepspeed(str(tmp_path / "out"), str(tmp_path / "again"))
+    back = rs.open(str(tmp_path / "again"))
+    for name, arr in full.items():
+        np.testing.assert_array_equal(back[name].read(), arr, err_msg=name)
 
 
 def test_import_refuses_what_it_cannot_read(tmp_path):
@@ -257,15 +272,17 @@ def ds_job(*args: object) -> None:
 
 
 @pytest.mark.skipif(not _has_deepspeed(), reason="DeepSpeed is not importable (set RESHARD_DEEPSPEED_PYTHON)")
-@pytest.mark.parametrize(("stage", "dp", "new"), [(2, 4, 3), (3, 2, 3)])
+@pytest.mark.parametrize(("stage", "dp", "new"), [(2, 4, 3), (3, 2, 3), (-1, 2, 3)],
+                         ids=["zero2", "zero3", "bf16-zero1"])
 def test_real_deepspeed_save_redivide_load(tmp_path, stage, dp, new):
     ds_job("save", tmp_path / "ds", dp, stage)  # two training steps, then save_checkpoint
     import_deepspeed(str(tmp_path / "ds"), str(tmp_path / "rs"))
     first = rs.open(str(tmp_path / "rs"))
     names = first.leaves["deepspeed"]["groups"]
     targets = {}
+    assert first.leaves["deepspeed"]["file_prefix"] == ("bf16_" if stage < 0 else "")
     for g in names:
-        for n, lay in zip(g["names"], group_buffer(stage, [tuple(s) for s in g["shapes"]], new).layouts(),
+        for n, lay in zip(g["names"], group_buffer(abs(stage), [tuple(s) for s in g["shapes"]], new).layouts(),
                           strict=True):
             targets.update({f"optimizer.{w}.{n}": lay for w in ("fp32", *g["states"])})
     rs.redivide(str(tmp_path / "rs"), str(tmp_path / "rs-new"), targets)
@@ -276,7 +293,7 @@ def test_real_deepspeed_save_redivide_load(tmp_path, stage, dp, new):
     assert again.leaves["deepspeed"]["dp"] == new and set(again) == set(first)
     for name in first:
         np.testing.assert_array_equal(again[name].read(), first[name].read(), err_msg=name)
-    if stage != 3:  # the module weights are the fp32 master weights (fp32 training)
+    if stage in (1, 2):  # the module weights are the fp32 master weights (fp32 training)
         for g in names:
             for n in g["names"]:
                 np.testing.assert_array_equal(first[f"module.{n}"].read(), first[f"optimizer.fp32.{n}"].read())

@@ -20,8 +20,10 @@ DeepSpeed's own cut, see :mod:`reshard.layouts.flatbuf`) and writes
 
 The ``.pt`` files are read with torch's restricted unpickler
 (:func:`reshard.store.frontends.pt_files.load_pt`): DeepSpeed's classes become
-inert stand-ins, nothing of theirs runs. Model parallelism (``mp_rank_01``...)
-and the bf16 optimizer's files (``bf16_zero_pp_rank_*``) are refused, naming them.
+inert stand-ins, nothing of theirs runs. With bf16 training the optimizer files
+are ``bf16_zero_pp_rank_*`` (ZeRO-1, DeepSpeed's ``BF16_Optimizer`` or its ZeRO
+optimizer: the same partition rule); the prefix is kept for the export. Model
+parallelism (``mp_rank_01``...) is refused, naming the file.
 """
 
 from __future__ import annotations
@@ -85,7 +87,9 @@ def _plain(value: Any) -> Any:
     raise TypeError(f"a {type(value).__name__}")
 
 
-def _stage(osd: Mapping[str, Any], where: str) -> int:
+def _stage(osd: Mapping[str, Any], where: str, bf16: bool = False) -> int:
+    if bf16 and "zero_stage" not in osd:
+        return 1  # BF16_Optimizer: ZeRO-1's partition, no stage recorded
     stage = osd.get("zero_stage")
     if isinstance(stage, Stub):
         stage = stage.field("value", 0)
@@ -117,13 +121,12 @@ class DeepSpeedFiles:
         self.folder = folder
         files = _listdir(folder)
         found = {}
+        prefixes = set()
         for name in files:
             m = OPTIM.match(name)
             if m is None:
                 continue
-            if m.group(1):
-                raise UnsupportedError(f"{folder}: {name} is the bf16 optimizer's file, which reshard does not "
-                                       "import yet")
+            prefixes.add(m.group(1) or "")
             if int(m.group(3)) != 0:
                 raise UnsupportedError(f"{folder}: {name} is model-parallel rank {int(m.group(3))}; reshard imports "
                                        "data-parallel ZeRO saves (mp_rank_00) only")
@@ -131,6 +134,11 @@ class DeepSpeedFiles:
         if not found:
             raise CheckpointNotFoundError(f"{folder}: no zero_pp_rank_*_mp_rank_00_optim_states.pt files: not a "
                                           "DeepSpeed ZeRO checkpoint (pass the tag folder, or a folder with 'latest')")
+        if len(prefixes) > 1:
+            raise FormatError(f"{folder}: both bf16_zero_pp_rank_* and zero_pp_rank_* optimizer files: two saves "
+                              "mixed in one folder")
+        #: ``"bf16_"`` for the bf16 optimizer's file names, else ``""``.
+        self.prefix = prefixes.pop()
         self.dp = len(found)
         if sorted(found) != list(range(self.dp)):
             raise FormatError(f"{folder}: optimizer files of data-parallel ranks {sorted(found)}: some are missing")
@@ -145,7 +153,7 @@ class DeepSpeedFiles:
             if not isinstance(osd, Mapping):
                 raise FormatError(f"{found[r]}: no 'optimizer_state_dict' in it")
             self.osd.append(osd)
-        self.stage = _stage(self.osd[0], found[0])
+        self.stage = _stage(self.osd[0], found[0], bf16=bool(self.prefix))
         if self.model.get("dp_world_size", self.dp) != self.dp:
             raise FormatError(f"{folder}: the model states say {self.model.get('dp_world_size')} data-parallel "
                               f"ranks, the folder holds {self.dp} optimizer files")
@@ -317,7 +325,8 @@ def _leaves(ds: DeepSpeedFiles, groups: list[dict[str, Any]]) -> tuple[dict[str,
                 optim[key] = _plain(osd[key])
             except TypeError:
                 skipped.append(f"optimizer_state_dict.{key}")
-    info = {"stage": ds.stage, "dp": ds.dp, "groups": groups, "model_states": model, "optimizer": optim,
+    info = {"stage": ds.stage, "dp": ds.dp, "file_prefix": ds.prefix, "groups": groups, "model_states": model,
+            "optimizer": optim,
             "ds_config": _plain(ds.optim[0].get("ds_config")) if "ds_config" in ds.optim[0] else None,
             "ds_version": _plain(ds.optim[0].get("ds_version"))}
     return {"deepspeed": info}, skipped

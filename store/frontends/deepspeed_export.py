@@ -102,7 +102,8 @@ def export_deepspeed(src: str | Checkpoint, dst: str, dp: int, *, tag: str = "re
                                       for group, buf in zip(groups, buffers, strict=True)],
                    "param_alignment_paddings": [list(g.get("paddings") or [0] * len(g["names"])) for g in groups],
                    "partition_count": [dp] * len(groups)}
-        path = os.path.join(folder, f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+        prefix = "bf16_" if info.get("file_prefix") == "bf16_" else ""
+        path = os.path.join(folder, f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
         torch.save({"optimizer_state_dict": osd, "ds_config": info.get("ds_config"),
                     "ds_version": info.get("ds_version")}, path, pickle_module=PICKLE)
         files.append(path)
