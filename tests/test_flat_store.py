@@ -145,3 +145,12 @@ def test_stored_flat_layouts_are_bounded():
         layout_of({"version": 1, "kind": "flat", "shape": [4], "ranges": [[0, 0, 0, 0]] * (MAX_RANKS + 1)}, "here")
     lay = zero_layouts(SHAPES, 3)["emb"]
     assert layout_of(lay.to_json(), "here", lay.shape) == lay
+
+
+def test_per_rank_flat_grid_with_narrow_chunks_is_warned_about(tmp_path):
+    lay = FlatLayout.even((4096, 4096), 3)  # cuts at columns 2731 and 1366: gcd 1 x 2 chunks
+    with pytest.warns(UserWarning, match=r"inner chunks of \[1, 2\]"):
+        meta = rs.create(str(tmp_path / "w"), {"w": lay}).meta("w", lay, "float32")
+    assert meta.chunk == (1, 2)
+    rows = rs.create(str(tmp_path / "w"), {"w": lay}).meta("w", lay, "float32", single_writer=True)
+    assert rows.edges is None and rows.chunk[1:] == (4096,)
