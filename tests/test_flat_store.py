@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import numpy as np
 import pytest
 import reshard.store as rs
@@ -147,10 +150,45 @@ def test_stored_flat_layouts_are_bounded():
     assert layout_of(lay.to_json(), "here", lay.shape) == lay
 
 
-def test_per_rank_flat_grid_with_narrow_chunks_is_warned_about(tmp_path):
-    lay = FlatLayout.even((4096, 4096), 3)  # cuts at columns 2731 and 1366: gcd 1 x 2 chunks
-    with pytest.warns(UserWarning, match=r"inner chunks of \[1, 2\]"):
-        meta = rs.create(str(tmp_path / "w"), {"w": lay}).meta("w", lay, "float32")
-    assert meta.chunk == (1, 2)
+def test_per_rank_flat_cells_are_chunks_without_sharding(tmp_path):
+    """Ranges cutting rows at arbitrary columns: every cell of the per-rank grid is one zarr chunk (no sharding
+    codec, so no inner chunk has to divide every cell), cells bounded by FLAT_CELL_ELEMENTS."""
+    from reshard.store.format.grid import FLAT_CELL_ELEMENTS
+
+    lay = FlatLayout.even((4096, 4096), 3)  # cuts at columns 2731 and 1366: a sharded grid's chunks would be 1 x 2
+    meta = rs.create(str(tmp_path / "w"), {"w": lay}).meta("w", lay, "float32")
+    assert not meta.sharded and meta.chunk == meta.shard and meta.edges is not None
+    assert max(math.prod(meta.chunk_grid.extent(i)) for i in meta.shards_in((slice(0, 4096), slice(0, 4096)))) \
+        <= FLAT_CELL_ELEMENTS
+    doc = meta.to_zarr_json()
+    assert [c["name"] for c in doc["codecs"]] == ["bytes", "crc32c"]
+    for idx in meta.shards_in((slice(0, 4096), slice(0, 4096))):  # one writer per cell
+        region = meta.shard_region(idx)
+        corners = {lay.owner((r0, c0)) for r0 in (region[0].start, region[0].stop - 1)
+                   for c0 in (region[1].start, region[1].stop - 1)}
+        assert corners == {meta.writer(idx)}
     rows = rs.create(str(tmp_path / "w"), {"w": lay}).meta("w", lay, "float32", single_writer=True)
-    assert rows.edges is None and rows.chunk[1:] == (4096,)
+    assert rows.sharded and rows.edges is None and rows.chunk[1:] == (4096,)
+
+
+def test_per_rank_cells_round_trip_and_detect_damage(tmp_path):
+    shape = (301, 70)  # ranges of 7024: cut rows mid-way
+    lay = FlatLayout.even(shape, 3)
+    full = RNG.standard_normal(shape).astype(np.float32)
+    url = str(tmp_path / "d")
+    writer = rs.create(url, {"w": lay}, form="directory", compression="zstd")
+    for r in lay.ranks:
+        writer.write(r, {"w": local_part(lay, r, full)})
+    writer.commit()
+    ckpt = rs.open(url)
+    assert not ckpt.tensor("w").sharded
+    np.testing.assert_array_equal(ckpt["w"].read(), full)
+    np.testing.assert_array_equal(ckpt["w"][10:20, 5:9].read(), full[10:20, 5:9])
+    key = ckpt.tensor("w").shard_key((0, 1))
+    path = Path(ckpt.storage.url) / key
+    raw = bytearray(path.read_bytes())
+    raw[3] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    with pytest.raises((rs.ChecksumError, rs.FormatError)):
+        rs.open(url)["w"].read()
+    assert not rs.verify(url).ok

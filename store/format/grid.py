@@ -30,11 +30,14 @@ Which one a layout gets (:func:`choose_grid`):
 
 * A **flattened-range** layout (:class:`reshard.layouts.FlatLayout`: ZeRO,
   FSDP1, Megatron's distributed optimizer) is a set of boxes per rank. Its
-  ranks' own writes use the rectilinear grid of the boxes' boundaries, like any
-  irregular layout (each shard inside one box: one writer per object); one
-  process writing it all (importers, ``redivide``) uses a grid of whole rows,
-  ``ceil(rows / ranges)`` rows per shard (:func:`flat_rows_grid`), so that
-  ranges cutting rows at arbitrary columns do not narrow the inner chunks.
+  ranks' own writes use the rectilinear grid of the boxes' boundaries, the row
+  bands cut further every :data:`FLAT_CELL_ELEMENTS` elements' worth of rows
+  (each cell inside one box: one writer per object), and every cell is one
+  chunk, without the sharding codec: ranges cut rows at arbitrary columns, and
+  an inner chunk dividing every cell would be as narrow as the gcd of those
+  columns. One process writing it all (importers, ``redivide``) uses a grid of
+  whole rows, ``ceil(rows / ranges)`` rows per shard (:func:`flat_rows_grid`),
+  sharded as usual.
 
 * A regular layout whose blocks have **several holders** (data-parallel
   replicas: DDP, HSDP, TP x DP) is, by default (``balance=True``), cut further:
@@ -69,6 +72,10 @@ from reshard.layouts.errors import FormatError
 #: A replicated block is cut among its holders only into pieces of at least this many elements (below it
 #: one more object per piece costs more than the write it spreads; dtype-free, so readers check it alike).
 MIN_BALANCED_ELEMENTS = 1 << 15
+
+#: A flat layout's per-rank grid cuts its row bands every this many elements' worth of rows too: each cell is one
+#: chunk (:attr:`reshard.store.format.meta.ArrayMeta.sharded`), so this bounds what a read of a few rows fetches.
+FLAT_CELL_ELEMENTS = 1 << 18
 
 #: ``grid=`` values accepted by the writer.
 GRID_CHOICES = ("exact", "regular")
@@ -282,6 +289,9 @@ def _choose_grid(layout: Layout, grid: str, single_writer: bool, regular: bool |
     if single_writer and isinstance(layout, FlatLayout):
         return flat_rows_grid(layout)
     bounds = [layout.boundaries(d) for d in range(len(shape))]
+    if isinstance(layout, FlatLayout) and not single_writer and grid == "exact":
+        step = max(1, FLAT_CELL_ELEMENTS // max(1, math.prod(shape[1:])))  # cells of about this many elements
+        bounds[0] = tuple(sorted({*bounds[0], *range(0, shape[0], step)}))
     if single_writer:
         return Grid(shape, tuple(max(1, -(-n // max(1, len(b) - 1))) for n, b in zip(shape, bounds, strict=True)))
     if grid == "regular":

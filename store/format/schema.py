@@ -370,7 +370,9 @@ def check_array(name: str, doc: Any, where: str) -> dict[str, Any]:
     codecs = get(doc, "codecs", at)
     if type(codecs) is not list or not codecs or not all(isinstance(c, dict) for c in codecs):
         raise _fail(at, "codecs", "a non-empty list of codec objects", codecs)
-    if shape:
+    if shape and grid.edges is not None and codecs[0].get("name") != "sharding_indexed":
+        chunk, inner = shard, codecs  # every cell of a rectilinear grid its own chunk (ArrayMeta.sharded)
+    elif shape:
         cfg = codecs[0].get("configuration")
         if (len(codecs) != 1 or codecs[0].get("name") != "sharding_indexed" or not isinstance(cfg, dict)
                 or set(cfg) != _SHARD_CONFIG or cfg["index_location"] != "end" or cfg["index_codecs"] != _INDEX_CODECS):

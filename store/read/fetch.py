@@ -204,6 +204,15 @@ class Fetcher:
                 dest[...] = read_with_engine(self, meta, region)
             self.storage.count(bytes_delivered=delivered)
             return IOStats(bytes_delivered=delivered)
+        cells = [job for job in jobs if job[0].shape and not job[0].sharded]
+        if cells:  # arrays without the sharding codec: whole cells (read/cells.py), the rest as below
+            from .cells import read_cells
+
+            stats = read_cells(self, cells)
+            rest = [job for job in jobs if not (job[0].shape and not job[0].sharded)]
+            if rest:
+                stats.add(**self.read_regions(rest).as_dict())
+            return stats
         if self.locator is not None:
             return self._read_packed(jobs, delivered)
         keys = [[(shard, meta.shard_key(shard)) for shard in meta.shards_in(region)] for meta, region, _ in jobs]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import threading
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,8 +28,6 @@ from ..format.shard import SMALL_SHARD_BYTES
 
 #: Plans kept per process (the cache starts over beyond this: a job changing its tensors all the time).
 MAX_PLANS = 1 << 14
-#: A per-rank flat save whose inner chunks come out smaller than this is warned about (see :func:`array_meta`).
-TINY_CHUNK_BYTES = 4096
 #: Rank parts kept per process, over all plans: a process writing every rank of a large job (``save``)
 #: computes the others each time rather than hold tensors x ranks of them.
 MAX_PARTS = 1 << 15
@@ -176,13 +173,8 @@ def array_meta(name: str, layout: Layout, dtype: str, settings: Settings) -> Arr
     # and splitting it by divisors of a prime row count would give one chunk (and crc) per row.
     target = min(settings.chunk_bytes, size if size <= SMALL_SHARD_BYTES else max(MIN_CHUNK_BYTES, size // 16))
     chunk = inner_chunk_shape(grid.divisor(), itemsize, target)
-    if (isinstance(layout, FlatLayout) and not settings.single_writer and grid.edges is not None
-            and math.prod(chunk) * itemsize < TINY_CHUNK_BYTES <= math.prod(layout.shape) * itemsize):
-        warnings.warn(f"tensor {name!r}: its flat ranges cut rows at columns whose gcd makes inner chunks of "
-                      f"{list(chunk)} ({math.prod(chunk) * itemsize} bytes): a per-rank save writes "
-                      f"{math.prod(layout.shape) // math.prod(chunk)} chunks (correct, slow; docs/format.md, "
-                      "'Flattened-range layouts'). One process writing it all (redivide, importers) uses whole rows",
-                      stacklevel=3)
+    if isinstance(layout, FlatLayout) and not settings.single_writer and grid.edges is not None:
+        chunk = grid.shard  # every cell its own chunk, no sharding codec (ArrayMeta.sharded; docs/format.md)
     return ArrayMeta(
         name=name,
         shape=tuple(layout.shape),
