@@ -29,7 +29,7 @@ import pytest
 import reshard.store as rs
 import torch
 from reshard.layouts import FlatLayout, Layout
-from reshard.layouts.errors import CheckpointNotFoundError, FormatError, UnsupportedError
+from reshard.layouts.errors import CheckpointNotFoundError, FormatError
 from reshard.store.frontends.deepspeed import group_buffer, import_deepspeed
 from reshard.store.frontends.deepspeed_export import PICKLE, Foreign, export_deepspeed
 from reshard.store.ops.redivide import local_part
@@ -218,7 +218,7 @@ def test_import_refuses_what_it_cannot_read(tmp_path):
     shutil.copytree(tmp_path / "ok", tmp_path / "mp")
     shutil.copy(tmp_path / "mp" / "s" / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
                 tmp_path / "mp" / "s" / "zero_pp_rank_0_mp_rank_01_optim_states.pt")
-    with pytest.raises(FormatError, match="model-parallel rank 1.s optimizer files .* some are missing"):
+    with pytest.raises(FormatError, match=r"model-parallel rank 1's optimizer files .* some are missing"):
         import_deepspeed(str(tmp_path / "mp"), str(tmp_path / "x"))
     shutil.copytree(tmp_path / "ok", tmp_path / "evil")
     torch.save({"optimizer_state_dict": {"x": stub("os.system", ("echo owned",))}},

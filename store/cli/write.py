@@ -150,7 +150,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     if fmt == "deepspeed":
         from ..frontends.deepspeed_export import export_deepspeed
-
         from .imports import tp_split_option
 
         done = export_deepspeed(args.src, args.file, args.dp, tag=args.tag, tp=args.tp,

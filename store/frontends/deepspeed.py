@@ -134,8 +134,8 @@ def scan(folder: str) -> tuple[str, dict[int, dict[int, str]]]:
     if len(prefixes) > 1:
         raise FormatError(f"{folder}: both bf16_zero_pp_rank_* and zero_pp_rank_* optimizer files: two saves "
                           "mixed in one folder")
-    if any(f.startswith("layer_") and f.endswith("_model_states.pt") for f in files):
-        raise UnsupportedError(f"{folder}: layer_*_model_states.pt files: a pipeline-parallel save, which reshard "
+    if any(f.startswith("layer_") and f.endswith("model_states.pt") for f in files):
+        raise UnsupportedError(f"{folder}: layer_*-model_states.pt files: a pipeline-parallel save, which reshard "
                                "does not import")
     if sorted(grid) != list(range(len(grid))):
         raise FormatError(f"{folder}: optimizer files of model-parallel ranks {sorted(grid)}: some are missing")
@@ -223,13 +223,13 @@ class DeepSpeedFiles:
             for r in range(self.dp):
                 fp32 = self.fp32(r)
                 if g >= len(fp32):
-                    raise FormatError(f"{self.folder}: rank {r}{self._mp} holds {len(fp32)} parameter groups, the model "
-                                      f"states {len(self.shapes)}")
+                    raise FormatError(f"{self.folder}: rank {r}{self._mp} holds {len(fp32)} parameter groups, the "
+                                      f"model states {len(self.shapes)}")
                 need = max((off + b - a for off, _, a, b in buf.part(r).segments), default=0)
                 if fp32[g].numel() < need or fp32[g].numel() > buf.part(r).size:
-                    raise FormatError(f"{self.folder}: rank {r}{self._mp} group {g} holds {fp32[g].numel()} fp32 elements; "
-                                      f"DeepSpeed's partition of {[list(s) for _, s in named]} over {self.dp} ranks "
-                                      f"gives {need} to {buf.part(r).size}")
+                    raise FormatError(f"{self.folder}: rank {r}{self._mp} group {g} holds {fp32[g].numel()} fp32 "
+                                      f"elements; DeepSpeed's partition of {[list(s) for _, s in named]} over "
+                                      f"{self.dp} ranks gives {need} to {buf.part(r).size}")
                 self._check_mappings(r, g, named, buf)
             out.append(buf)
         return out
@@ -242,8 +242,8 @@ class DeepSpeedFiles:
         got = {str(k): (int(v.field("start", 1)), int(v.field("numel", 0))) if isinstance(v, Stub) else None
                for k, v in maps[g].items()}
         if got != want:
-            raise FormatError(f"{self.folder}: rank {rank}{self._mp} group {g}: DeepSpeed's param_slice_mappings {got} differ "
-                              f"from the partition reshard computes {want}")
+            raise FormatError(f"{self.folder}: rank {rank}{self._mp} group {g}: DeepSpeed's param_slice_mappings "
+                              f"{got} differ from the partition reshard computes {want}")
 
 
 def import_deepspeed(src: str, dst: str, *, tag: str | None = None, tp_split: Mapping[str, Any] | None = None,
@@ -297,7 +297,9 @@ def import_deepspeed(src: str, dst: str, *, tag: str | None = None, tp_split: Ma
         shapes = []
         for t, (name, local) in enumerate(named):
             slices = [p.shapes[g][t][1] for p in parts]
-            rule = 0 if rules is None else rules.of(name, optimized=True)
+            got = 0 if rules is None else rules.of(name, optimized=True)
+            assert got is not None  # an optimized parameter has a rule or is refused
+            rule = got
             shape = local if rules is None else full_shape(name, rule, slices)
             shapes.append(shape)
             local_lays = [buffers[m][g].layout(t, origin) for m in range(tp)]
@@ -324,28 +326,26 @@ def import_deepspeed(src: str, dst: str, *, tag: str | None = None, tp_split: Ma
     wanted = {n: s for named in ds.shapes for n, s in named}
     for name, value in modules[0].items():
         values = [mod.get(name) for mod in modules]
-        if any(not hasattr(v, "shape") for v in values):
+        if any(not hasattr(v, "shape") or not hasattr(v, "detach") for v in values):
             raise FormatError(f"{folder}: module entry {name!r} is not a tensor in every model-parallel rank's states")
         if ds.stage == 3 and name in wanted and tuple(value.shape) != wanted[name]:
             continue  # ZeRO-3: a partitioned parameter's placeholder; its values are the fp32 copy
-        arrs = [to_numpy(v.detach().contiguous()) for v in values]
+        arrs = [to_numpy(v.detach().contiguous()) for v in values]  # type: ignore[union-attr]
         if rules is None:
             layouts[f"module.{name}"] = Layout.single(arrs[0].shape)
             arrays[f"module.{name}"] = arrs[0]
             continue
-        rule = resolved.get(name, rules.of(name, optimized=False))
-        if rule is None:
-            rule = "replicated"  # not an optimized parameter, no rule: replicated if the values agree (join checks)
-        whole = join(f"module.{name}", rule, arrs)
-        layouts[f"module.{name}"] = block_layout(whole.shape, rule, [a.shape for a in arrs])
+        mrule = resolved[name] if name in resolved else rules.of(name, optimized=False)
+        if mrule is None:
+            mrule = "replicated"  # not an optimized parameter, no rule: replicated if the values agree (join checks)
+        whole = join(f"module.{name}", mrule, arrs)
+        layouts[f"module.{name}"] = block_layout(whole.shape, mrule, [a.shape for a in arrs])
         arrays[f"module.{name}"] = whole
-        resolved.setdefault(name, rule)
+        resolved.setdefault(name, mrule)
     refuse_empty("DeepSpeed", ds.folder, len(layouts))
     leaves, skipped = _leaves(ds, groups)
     if tp > 1:
         leaves["deepspeed"].update(tp=tp, tp_rules=resolved)
-        if rules is not None and rules.info is not None:
-            leaves["deepspeed"]["universal_checkpoint_info"] = _plain_info(ds.model.get("universal_checkpoint_info"))
     writer = create(dst, layouts, **single_process(options))
     metas = {}
     total = 0
@@ -357,8 +357,8 @@ def import_deepspeed(src: str, dst: str, *, tag: str | None = None, tp_split: Ma
             total += data.nbytes
             continue
         _, rule, per_mp = data
-        slices = [_gather(name, buf.layout(t), t, buf, per_rank) for t, buf, per_rank in per_mp]
-        whole = slices[0] if tp == 1 else join(name, rule, slices)
+        parts_of = [_gather(name, buf.layout(t), t, buf, per_rank) for t, buf, per_rank in per_mp]
+        whole = parts_of[0] if tp == 1 else join(name, rule, parts_of)
         metas[name] = meta = writer.meta(name, lay, _dtype(whole), single_writer=True)
         writer.write_block(meta, tuple(slice(0, n) for n in whole.shape), whole)
         total += whole.nbytes

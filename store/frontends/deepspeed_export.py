@@ -238,11 +238,13 @@ class TPPlan:
         if self.tp == 1:
             return tuple(slice(0, n) for n in shape)
         rule = self.rules[name] if name in self.rules else self.rule(name)
-        shapes = split_shapes(name, rule, shape, self.tp)
-        if self.tp == self.source and name in self.rules:
-            for g in range(len(self.groups)):
-                if name in self.groups[g]["names"]:
-                    shapes = [self.shapes(g, k)[self.groups[g]["names"].index(name)] for k in range(self.tp)]
+        for g, group in enumerate(self.groups):
+            if name in group["names"] and self.tp == self.source:  # the recorded slices (uneven ones too)
+                t = group["names"].index(name)
+                shapes = [self.shapes(g, k)[t] for k in range(self.tp)]
+                break
+        else:
+            shapes = split_shapes(name, rule, shape, self.tp)
         start = offsets(rule, shapes)[m]
         return tuple(slice(o, o + n) for o, n in zip(start, shapes[m], strict=True))
 

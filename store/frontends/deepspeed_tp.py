@@ -35,7 +35,6 @@ held by ranks ``0..tp-1``. Pure functions of shapes, names and arrays.
 from __future__ import annotations
 
 import importlib
-import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -150,9 +149,6 @@ class Rules:
                                "tp_split pattern for it): pass tp_split={pattern: dim | 'replicated' | 'average'} "
                                "(CLI: --tp-split PATTERN=DIM)")
 
-    def vocabulary(self, name: str) -> bool:
-        return self.info is not None and any(p.match(name) for p in self.info["vocabulary_parameter_patterns"])
-
 
 def full_shape(name: str, rule: int | str, shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
     """The whole tensor's shape from its TP slices' shapes, checked against the rule."""
@@ -162,8 +158,9 @@ def full_shape(name: str, rule: int | str, shapes: Sequence[tuple[int, ...]]) ->
             raise FormatError(f"{name} is {rule} over the TP ranks but their shapes differ: "
                               f"{[list(s) for s in shapes]}")
         return first
-    if rule >= len(first) or any(len(s) != len(first) or any(a != b for i, (a, b) in enumerate(zip(s, first))
-                                                             if i != rule) for s in shapes):
+    if rule >= len(first) or any(len(s) != len(first) or any(a != b for i, (a, b) in
+                                                             enumerate(zip(s, first, strict=True)) if i != rule)
+                                 for s in shapes):
         raise FormatError(f"{name}: TP slices of shapes {[list(s) for s in shapes]} do not join along dim {rule}")
     return tuple(sum(s[rule] for s in shapes) if i == rule else n for i, n in enumerate(first))
 
@@ -237,7 +234,3 @@ def split_shapes(name: str, rule: int | str, shape: Sequence[int], tp: int) -> l
     if rule >= len(shape) or shape[rule] % tp:
         raise ValueError(f"{name}: dim {rule} of shape {list(shape)} does not split evenly over {tp} TP ranks")
     return [tuple(n // tp if i == rule else n for i, n in enumerate(shape))] * tp
-
-
-def numel(shape: Sequence[int]) -> int:
-    return math.prod(int(n) for n in shape)
