@@ -32,8 +32,8 @@ def model_and_optimizer():
 #: How TPModel's parameters are split over TP ranks, as Megatron-DeepSpeed's universal_checkpoint_info says it
 #: (the parameters no pattern names are split on dim 0, DeepSpeed's default).
 UC_INFO = {"universal_checkpoint_version": 0.2,
-           "tp_replicated_parameter_patterns": [r"embed\.weight", r"norm\.", r"fc2\.bias"],
-           "parameter_with_row_parallelism_patterns": [r"fc2\.weight"]}
+           "tp_replicated_parameter_patterns": [r"embed\.weight", r"norm\.", r"fc2_bias"],
+           "parameter_with_row_parallelism_patterns": [r"fc2_weight"]}
 
 
 class MPU:

@@ -307,3 +307,38 @@ def test_real_deepspeed_save_redivide_load(tmp_path, stage, dp, new):
         for g in names:
             for n in g["names"]:
                 np.testing.assert_array_equal(first[f"module.{n}"].read(), first[f"optimizer.fp32.{n}"].read())
+
+
+@pytest.mark.skipif(not _has_deepspeed(), reason="DeepSpeed is not importable (set RESHARD_DEEPSPEED_PYTHON)")
+def test_real_deepspeed_tensor_parallel(tmp_path):
+    """DeepSpeed trains tests/dsjob.py's tensor-parallel model on 2 TP x 2 DP ranks (ZeRO-2, an ``mpu`` as
+    Megatron gives it) and saves with Megatron-DeepSpeed's universal_checkpoint_info; reshard joins the TP
+    slices, and DeepSpeed loads exports for 2 TP x 1 DP and 1 TP x 3 DP ranks, saves again, and every tensor
+    equals the first save's."""
+    from reshard.store.frontends.deepspeed_export import deepspeed_layouts
+    from reshard.store.frontends.pt_files import load_pt
+
+    ds_job("save", tmp_path / "ds", 4, 2, 2)
+    assert import_deepspeed(str(tmp_path / "ds"), str(tmp_path / "rs"))["tp"] == 2
+    first = rs.open(str(tmp_path / "rs"))
+    rules = first.leaves["deepspeed"]["tp_rules"]
+    assert rules == {"fc1_weight": 0, "fc1_bias": 0, "fc2_weight": 1, "fc2_bias": "replicated",
+                     "embed.weight": "replicated", "norm.weight": "replicated", "norm.bias": "replicated"}
+    # the module weights DeepSpeed saved per TP rank, joined here with numpy, are what reshard stored
+    local = [load_pt(str(tmp_path / "ds" / "step" / f"mp_rank_{m:02d}_model_states.pt"))["module"] for m in (0, 1)]
+    for name, rule in rules.items():
+        parts = [local[m][name].numpy() for m in (0, 1)]
+        want = np.concatenate(parts, axis=rule) if isinstance(rule, int) else parts[0]
+        np.testing.assert_array_equal(first[f"module.{name}"].read(), want, err_msg=name)
+        np.testing.assert_array_equal(first[f"optimizer.fp32.{name}"].read(), want, err_msg=name)  # fp32 training
+    assert first.tensor("optimizer.fp32.fc1_weight").layout.block_of(1) == (slice(4, 8), slice(0, 12))  # dp 0, mp 1
+    for tp, dp in ((2, 1), (1, 3)):
+        out = tmp_path / f"tp{tp}dp{dp}"
+        rs.redivide(str(tmp_path / "rs"), str(out / "rs"), deepspeed_layouts(first, dp, tp=tp))
+        export_deepspeed(str(out / "rs"), str(out / "ds"), dp, tp=tp)
+        ds_job("resave", out / "ds", out / "again", tp * dp, 2, tp)  # load_checkpoint, save again
+        assert import_deepspeed(str(out / "again"), str(out / "back"))["tp"] == tp
+        again = rs.open(str(out / "back"))
+        assert set(again) == set(first)
+        for name in first:
+            np.testing.assert_array_equal(again[name].read(), first[name].read(), err_msg=f"tp {tp} dp {dp}: {name}")
