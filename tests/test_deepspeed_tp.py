@@ -227,3 +227,34 @@ def test_tp_cli(tmp_path):
         "mp_rank_00_model_states.pt", *(f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(3))]
     assert main(["import", "deepspeed", str(tmp_path / "ds"), str(tmp_path / "rs2"), "--tp-split", "no-rule"]) == 2
     assert not (tmp_path / "rs2").exists()
+
+
+def test_docs_page_runs_on_built_saves(tmp_path, monkeypatch):
+    """docs/deepspeed.md's python blocks, run as pasted (tests/test_docs.py's reader) in a folder holding the saves
+    they name, built here: ``ckpts/`` (ZeRO-2, 4 DP ranks) and ``ckpts-tp/`` (2 TP x 2 DP). What they read and
+    write holds the built values: the tensor read, both redivisions, and both exports imported again."""
+    from test_deepspeed import build_save
+    from test_docs import DOCS, blocks
+
+    monkeypatch.chdir(tmp_path)
+    full = build_save(tmp_path / "ckpts" / "global_step2", 2, 4)
+    whole, _, _ = build_tp_save(tmp_path / "ckpts-tp" / "global_step2", 2, 2, 2)
+    scope: dict[str, object] = {"__name__": "__docs__"}
+    ran = 0
+    for block in blocks((DOCS / "deepspeed.md").read_text()):
+        if block.lang == "python":
+            assert block.skip is None, f"docs/deepspeed.md:{block.line} is skipped"
+            exec(compile("\n" * (block.line - 1) + block.code, str(DOCS / "deepspeed.md"), "exec"), scope)
+            ran += 1
+    assert ran == 2
+    np.testing.assert_array_equal(scope["exp_avg"], full["optimizer.exp_avg.embed.weight"])
+    np.testing.assert_array_equal(scope["fc1"], whole["optimizer.fp32.fc1.weight"])
+    three = rs.open("rs-ckpt-3")
+    assert three.tensor("optimizer.fp32.embed.weight").layout.ranks == (0, 1, 2)
+    for url, want in (("rs-ckpt", full), ("rs-ckpt-3", full), ("rs-tp", whole), ("rs-tp1", whole)):
+        check_values(url, want)
+    import_deepspeed("ckpts-3/", "again")
+    import_deepspeed("ckpts-tp1/", "again-tp1")
+    assert rs.open("again").leaves["deepspeed"]["dp"] == 3 and rs.open("again-tp1").leaves["deepspeed"]["dp"] == 2
+    check_values("again", full)
+    check_values("again-tp1", whole)

@@ -1,4 +1,4 @@
-"""Writing a DeepSpeed ZeRO save back, for any data-parallel size (``reshard export-deepspeed``).
+"""Writing a DeepSpeed ZeRO save back, for any data- and model-parallel size (``reshard export deepspeed``).
 
 :func:`export_deepspeed` takes a checkpoint imported by
 :func:`reshard.store.frontends.deepspeed.import_deepspeed` (its ``deepspeed``
@@ -8,8 +8,12 @@ entries; the tensors may since have been redivided to any layouts) and writes
 (:func:`reshard.store.frontends.deepspeed.group_buffer`), each rank's fp32
 partition and optimizer state read straight from the checkpoint with flat
 target layouts (:meth:`reshard.store.Checkpoint.load`), one
-``zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` per rank, the model states and
-``latest``. ``engine.load_checkpoint(dst)`` on ``dp`` ranks then resumes.
+``zero_pp_rank_<r>_mp_rank_<m>_optim_states.pt`` per rank, the model states and
+``latest``. ``engine.load_checkpoint(dst)`` on ``dp`` (x ``tp``) ranks then resumes.
+With ``tp`` model-parallel ranks (:class:`TPPlan`), rank ``m``'s files hold
+DeepSpeed's partition of its TP slices (the slices the import recorded, or even
+cuts by the recorded or given rules, :mod:`.deepspeed_tp`), read from the whole
+tensors under layouts over those slices (:func:`deepspeed_layouts`).
 
 Written with ``torch.save``: tensors, plain containers, and the few DeepSpeed
 objects its loader reads (the ``LossScaler`` with its saved state, the
