@@ -308,7 +308,8 @@ def import_deepspeed(src: str, dst: str, *, tag: str | None = None, tp_split: Ma
             if rules is not None:
                 resolved[name] = rule
             sources = {"fp32": [[fp32[m][r][g] for r in range(ds.dp)] for m in range(tp)]}
-            sources.update({k: [[bases[m][r][0][g][k] for r in range(ds.dp)] for m in range(tp)] for k in keys})
+            sources.update({k: [[_state(bases[m][r][0], g, k, parts[m], r) for r in range(ds.dp)]
+                                for m in range(tp)] for k in keys})
             for what, per_mp in sources.items():
                 full = f"optimizer.{what}.{name}"
                 layouts[full] = lay
@@ -365,6 +366,15 @@ def import_deepspeed(src: str, dst: str, *, tag: str | None = None, tp_split: Ma
     writer.write_manifests(metas, leaves)
     writer.commit()
     return {"tensors": len(layouts), "bytes": total, "stage": ds.stage, "dp": ds.dp, "tp": tp, "skipped": skipped}
+
+
+def _state(states: list[dict[str, Any]], g: int, key: str, ds: DeepSpeedFiles, rank: int) -> Any:
+    """Optimizer state ``key`` of group ``g`` in one rank's file, checked to be there."""
+    value = states[g].get(key) if g < len(states) and isinstance(states[g], Mapping) else None
+    if not hasattr(value, "numel"):
+        raise FormatError(f"{ds.folder}: rank {rank}{ds._mp} holds no optimizer state {key!r} of group {g} "
+                          "(rank 0 does)")
+    return value
 
 
 def _plain_info(info: Any) -> Any:

@@ -129,17 +129,15 @@ class Rules:
         for pattern, rule, _ in self.user:
             if pattern.match(name):
                 return rule
-        if self.info is not None:
-            for key, pattern in self.refused:
-                if pattern.match(name):
-                    raise UnsupportedError(f"{name}: universal_checkpoint_info's {key} pattern {pattern.pattern!r} "
-                                           "names it (slices of several sub-parameters per TP rank); reshard does "
-                                           "not join those; pass tp_split for it if it is a plain split")
+        if self.info is not None:  # DeepSpeed's order (ds_to_universal.merge_tp_slices)
+            self._refuse(name, ("affine_map",))
             for key, rule in (("tp_replicated_parameter_patterns", "replicated"),
-                              ("parameter_to_average_patterns", "average"),
-                              ("parameter_with_row_parallelism_patterns", 1)):
+                              ("parameter_to_average_patterns", "average")):
                 if any(p.match(name) for p in self.info[key]):
                     return rule
+            self._refuse(name, REFUSED)
+            if any(p.match(name) for p in self.info["parameter_with_row_parallelism_patterns"]):
+                return 1
             if optimized:
                 return 0  # DeepSpeed's rule: the rest is column-parallel, cut along dim 0
         if not optimized:
@@ -148,6 +146,13 @@ class Rules:
                                "dim this parameter is (no universal_checkpoint_info in the model states, no "
                                "tp_split pattern for it): pass tp_split={pattern: dim | 'replicated' | 'average'} "
                                "(CLI: --tp-split PATTERN=DIM)")
+
+    def _refuse(self, name: str, keys: tuple[str, ...]) -> None:
+        for key, pattern in self.refused:
+            if key in keys and pattern.match(name):
+                raise UnsupportedError(f"{name}: universal_checkpoint_info's {key} pattern {pattern.pattern!r} "
+                                       "names it (slices of several sub-parameters per TP rank); reshard does not "
+                                       "join those; pass tp_split for it if it is a plain split")
 
 
 def full_shape(name: str, rule: int | str, shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
