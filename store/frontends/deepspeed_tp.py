@@ -112,8 +112,19 @@ class Rules:
             if key == "affine_map" and isinstance(value, Mapping):
                 value = list((value.get("params") or {}).keys())
             elif key == "parameter_with_sub_params" and isinstance(value, list):
-                value = [p for s in value for p in (s.get("patterns", []) if isinstance(s, Mapping) else [])]
+                value = [p for s in value for p in self._sub_patterns(s)]
             self.refused += [(key, p) for p in self._patterns(value, key)]
+
+    @staticmethod
+    def _sub_patterns(entry: Any) -> list[Any]:
+        """The patterns of a ``parameter_with_sub_params`` entry (a SubparamShape as a dict, or its stand-in's)."""
+        if isinstance(entry, Mapping) and isinstance(entry.get("state"), Mapping) and "stub" in entry:
+            entry = entry["state"]
+        patterns = entry.get("patterns") if isinstance(entry, Mapping) else None
+        if not isinstance(patterns, (list, tuple)):
+            raise FormatError(f"universal_checkpoint_info['parameter_with_sub_params'] entry {str(entry)[:80]} "
+                              "names no patterns")
+        return list(patterns)
 
     @staticmethod
     def _patterns(value: Any, key: str) -> list[re.Pattern[str]]:
