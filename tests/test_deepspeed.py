@@ -29,7 +29,7 @@ import pytest
 import reshard.store as rs
 import torch
 from reshard.layouts import FlatLayout, Layout
-from reshard.layouts.errors import CheckpointNotFoundError, FormatError, UnsupportedError
+from reshard.layouts.errors import CheckpointNotFoundError, FormatError
 from reshard.store.frontends.deepspeed import group_buffer, import_deepspeed
 from reshard.store.frontends.deepspeed_export import PICKLE, Foreign, export_deepspeed
 from reshard.store.ops.redivide import local_part
@@ -75,19 +75,27 @@ def reference_parts(stage: int, shapes: list[tuple[int, ...]], dp: int) -> list[
     return out
 
 
-def build_save(folder: Path, stage: int, dp: int, prefix: str = "") -> dict[str, np.ndarray]:
+def build_save(folder: Path, stage: int, dp: int, prefix: str = "", *, groups: list | None = None, mp: int = 0,
+               tp: int = 1, values: dict[str, np.ndarray] | None = None, extra: dict | None = None
+               ) -> dict[str, np.ndarray]:
     """A ZeRO save as DeepSpeed lays it out; returns every tensor by the name reshard gives it. ``prefix="bf16_"``:
-    the bf16 optimizer's files (ZeRO-1, no ``zero_stage`` recorded)."""
-    folder.mkdir(parents=True)
+    the bf16 optimizer's files (ZeRO-1, no ``zero_stage`` recorded). With ``tp`` > 1 this writes model-parallel
+    rank ``mp``'s files: ``groups`` its (TP-local) parameter shapes, ``values`` its tensors by reshard's names
+    (``optimizer.<what>.<name>``, ``module.<name>``; random where absent), ``extra`` model-state entries."""
+    groups = GROUPS if groups is None else groups
+    folder.mkdir(parents=True, exist_ok=True)
     full = {}
-    for named in GROUPS:
+    for named in groups:
         for name, shape in named:
             for what in ("fp32", *STATES):
-                full[f"optimizer.{what}.{name}"] = RNG.standard_normal(shape).astype(np.float32)
-            full[f"module.{name}"] = full[f"optimizer.fp32.{name}"]
+                key = f"optimizer.{what}.{name}"
+                full[key] = values[key] if values and key in values else \
+                    RNG.standard_normal(shape).astype(np.float32)
+            full[f"module.{name}"] = values[f"module.{name}"] if values and f"module.{name}" in values else \
+                full[f"optimizer.fp32.{name}"]
     for r in range(dp):
         fp32, state, maps, paddings = [], {}, [], []
-        for g, named in enumerate(GROUPS):
+        for g, named in enumerate(groups):
             parts = reference_parts(stage, [s for _, s in named], dp)[r]
             size = parts[-1][1]
             vec = {w: np.zeros(size, np.float32) for w in ("fp32", *STATES)}
@@ -103,35 +111,37 @@ def build_save(folder: Path, stage: int, dp: int, prefix: str = "") -> dict[str,
             state[g] = {"step": torch.tensor(2.0), **{w: torch.from_numpy(vec[w]) for w in STATES}}
             maps.append(mapping)
             paddings.append(pad)
-        groups = [{"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1 * (g == 0), "params": [g]}
-                  for g in range(len(GROUPS))]
+        hyper = [{"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1 * (g == 0), "params": [g]}
+                 for g in range(len(groups))]
         common = {"loss_scaler": stub("deepspeed.runtime.fp16.loss_scaler.LossScaler", (),
                                       {"cur_scale": 1.0, "dynamic": False}),
                   "dynamic_loss_scale": False, "overflow": False,
                   "zero_stage": stub("deepspeed.runtime.zero.config.ZeroStageEnum", (stage,))}
         if stage == 3:
-            osd = {**common, "partition_count": dp, "optimizer_state_dict": {"state": state, "param_groups": groups},
+            osd = {**common, "partition_count": dp, "optimizer_state_dict": {"state": state, "param_groups": hyper},
                    "fp32_flat_groups": fp32}
         else:
-            osd = {**common, "clip_grad": 1.0, "base_optimizer_state": {"state": state, "param_groups": groups},
+            osd = {**common, "clip_grad": 1.0, "base_optimizer_state": {"state": state, "param_groups": hyper},
                    "single_partition_of_fp32_groups": fp32, "group_paddings": paddings,
-                   "param_alignment_paddings": [[0] * len(n) for n in GROUPS],
-                   "partition_count": [dp] * len(GROUPS), "ds_version": "0.19.8", "param_slice_mappings": maps}
+                   "param_alignment_paddings": [[0] * len(n) for n in groups],
+                   "partition_count": [dp] * len(groups), "ds_version": "0.19.8", "param_slice_mappings": maps}
         if prefix:
             del osd["zero_stage"]
         torch.save({"optimizer_state_dict": osd, "ds_config": {"zero_optimization": {"stage": stage}},
-                    "ds_version": "0.19.8"}, folder / f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
+                    "ds_version": "0.19.8"}, folder / f"{prefix}zero_pp_rank_{r}_mp_rank_{mp:02d}_optim_states.pt",
                    pickle_module=PICKLE)
-    shapes = [{n: torch.Size(s) for n, s in named} for named in GROUPS]
+    shapes = [{n: torch.Size(s) for n, s in named} for named in groups]
     module = {n: torch.from_numpy(full[f"module.{n}"]) if stage != 3 else torch.empty(0)
-              for named in GROUPS for n, _ in named}
-    module["norm.running"] = torch.arange(3.0)  # a buffer
-    full["module.norm.running"] = np.arange(3.0, dtype=np.float32)
+              for named in groups for n, _ in named}
+    running = values.get("module.norm.running", np.arange(3.0, dtype=np.float32)) if values else \
+        np.arange(3.0, dtype=np.float32)
+    module["norm.running"] = torch.from_numpy(running)  # a buffer
+    full["module.norm.running"] = running
     model = {"module": module, "buffer_names": ["norm.running"], "optimizer": None, "param_shapes": shapes,
              "frozen_param_shapes": {}, "shared_params": {}, "global_steps": 2, "skipped_steps": 0,
-             "dp_world_size": dp, "mp_world_size": 1, "ds_version": "0.19.8"}
-    names = [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(dp)] if stage == 3 else \
-        ["mp_rank_00_model_states.pt"]
+             "dp_world_size": dp, "mp_world_size": tp, "ds_version": "0.19.8", **(extra or {})}
+    names = [f"zero_pp_rank_{r}_mp_rank_{mp:02d}_model_states.pt" for r in range(dp)] if stage == 3 else \
+        [f"mp_rank_{mp:02d}_model_states.pt"]
     for name in names:
         torch.save(model, folder / name)
     (folder.parent / "latest").write_text(folder.name)
@@ -203,12 +213,12 @@ def test_import_refuses_what_it_cannot_read(tmp_path):
     build_save(tmp_path / "ok" / "s", 2, 2)
     shutil.copytree(tmp_path / "ok", tmp_path / "gap")
     os.remove(tmp_path / "gap" / "s" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
-    with pytest.raises(FormatError, match="optimizer files of data-parallel ranks"):
+    with pytest.raises(FormatError, match="optimizer files are of data-parallel ranks"):
         import_deepspeed(str(tmp_path / "gap"), str(tmp_path / "x"))
     shutil.copytree(tmp_path / "ok", tmp_path / "mp")
     shutil.copy(tmp_path / "mp" / "s" / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
                 tmp_path / "mp" / "s" / "zero_pp_rank_0_mp_rank_01_optim_states.pt")
-    with pytest.raises(UnsupportedError, match="model-parallel rank 1"):
+    with pytest.raises(FormatError, match=r"model-parallel rank 1's optimizer files .* some are missing"):
         import_deepspeed(str(tmp_path / "mp"), str(tmp_path / "x"))
     shutil.copytree(tmp_path / "ok", tmp_path / "evil")
     torch.save({"optimizer_state_dict": {"x": stub("os.system", ("echo owned",))}},
@@ -297,3 +307,38 @@ def test_real_deepspeed_save_redivide_load(tmp_path, stage, dp, new):
         for g in names:
             for n in g["names"]:
                 np.testing.assert_array_equal(first[f"module.{n}"].read(), first[f"optimizer.fp32.{n}"].read())
+
+
+@pytest.mark.skipif(not _has_deepspeed(), reason="DeepSpeed is not importable (set RESHARD_DEEPSPEED_PYTHON)")
+def test_real_deepspeed_tensor_parallel(tmp_path):
+    """DeepSpeed trains tests/dsjob.py's tensor-parallel model on 2 TP x 2 DP ranks (ZeRO-2, an ``mpu`` as
+    Megatron gives it) and saves with Megatron-DeepSpeed's universal_checkpoint_info; reshard joins the TP
+    slices, and DeepSpeed loads exports for 2 TP x 1 DP and 1 TP x 3 DP ranks, saves again, and every tensor
+    equals the first save's."""
+    from reshard.store.frontends.deepspeed_export import deepspeed_layouts
+    from reshard.store.frontends.pt_files import load_pt
+
+    ds_job("save", tmp_path / "ds", 4, 2, 2)
+    assert import_deepspeed(str(tmp_path / "ds"), str(tmp_path / "rs"))["tp"] == 2
+    first = rs.open(str(tmp_path / "rs"))
+    rules = first.leaves["deepspeed"]["tp_rules"]
+    assert rules == {"fc1_weight": 0, "fc1_bias": 0, "fc2_weight": 1, "fc2_bias": "replicated",
+                     "embed.weight": "replicated", "norm.weight": "replicated", "norm.bias": "replicated"}
+    # the module weights DeepSpeed saved per TP rank, joined here with numpy, are what reshard stored
+    local = [load_pt(str(tmp_path / "ds" / "step" / f"mp_rank_{m:02d}_model_states.pt"))["module"] for m in (0, 1)]
+    for name, rule in rules.items():
+        parts = [local[m][name].numpy() for m in (0, 1)]
+        want = np.concatenate(parts, axis=rule) if isinstance(rule, int) else parts[0]
+        np.testing.assert_array_equal(first[f"module.{name}"].read(), want, err_msg=name)
+        np.testing.assert_array_equal(first[f"optimizer.fp32.{name}"].read(), want, err_msg=name)  # fp32 training
+    assert first.tensor("optimizer.fp32.fc1_weight").layout.block_of(1) == (slice(4, 8), slice(0, 12))  # dp 0, mp 1
+    for tp, dp in ((2, 1), (1, 3)):
+        out = tmp_path / f"tp{tp}dp{dp}"
+        rs.redivide(str(tmp_path / "rs"), str(out / "rs"), deepspeed_layouts(first, dp, tp=tp))
+        export_deepspeed(str(out / "rs"), str(out / "ds"), dp, tp=tp)
+        ds_job("resave", out / "ds", out / "again", tp * dp, 2, tp)  # load_checkpoint, save again
+        assert import_deepspeed(str(out / "again"), str(out / "back"))["tp"] == tp
+        again = rs.open(str(out / "back"))
+        assert set(again) == set(first)
+        for name in first:
+            np.testing.assert_array_equal(again[name].read(), first[name].read(), err_msg=f"tp {tp} dp {dp}: {name}")

@@ -182,6 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp", type=int, default=None, metavar="N",
                    help="deepspeed only: the data-parallel size to write the ZeRO save for (DIR/TAG, DIR/latest)")
     p.add_argument("--tag", default="reshard", help="deepspeed only: the save's folder name under DIR")
+    p.add_argument("--tp", type=int, default=None, metavar="N",
+                   help="deepspeed only: the model-parallel size to write for (default: the imported save's)")
+    p.add_argument("--tp-split", action="append", default=[], metavar="PATTERN=RULE",
+                   help="deepspeed only: how the tensors whose names match PATTERN split over --tp ranks (a dim, "
+                        "'replicated', 'average'), before what the import recorded")
     p.add_argument("--prefix", default="", help="torch only: export the tensors under PREFIX, named without it "
                                                 "(--prefix model. gives a file for model.load_state_dict)")
     p.add_argument("--overwrite", action="store_true",

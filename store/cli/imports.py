@@ -31,7 +31,7 @@ def register_import(subparsers: Any, common: argparse.ArgumentParser) -> None:
         p.add_argument("src", help="the framework's checkpoint (folder or URL)")
         p.add_argument("dst", help="URL of the reshard checkpoint to write")
         p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
-        p.set_defaults(func=_flags(func))
+        p.set_defaults(func=_flags(func), parser=p)
         return p
 
     add("dcp", _dcp, "torch.distributed.checkpoint folder (.metadata + *.distcp)")
@@ -50,6 +50,10 @@ def register_import(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p = add("deepspeed", _deepspeed, "DeepSpeed ZeRO-1/2/3 save (model states + zero_pp_rank_*_optim_states.pt), "
             "read without DeepSpeed: every parameter's fp32 copy and optimizer state under its flat-range layout")
     p.add_argument("--tag", default=None, help="the save under SRC to import (default: the one SRC/latest names)")
+    p.add_argument("--tp-split", action="append", default=[], metavar="PATTERN=RULE",
+                   help="model-parallel saves: the parameters whose names match the regex PATTERN (at the start; "
+                        "repeatable, the first match wins) are split over the TP ranks along dim RULE, or RULE is "
+                        "'replicated' or 'average'; before the save's universal_checkpoint_info")
     add("megatron", _megatron, "Megatron-Core dist_checkpointing save in the torch_dist format; the distributed "
         "optimizer's flattened ranges become each tensor in its own shape under a flat-range layout")
     add("safetensors", _safetensors, "a safetensors file, or a Hugging Face folder (model.safetensors, or "
@@ -135,8 +139,19 @@ def _deepspeed(args: argparse.Namespace) -> int:
     from ..frontends.deepspeed import import_deepspeed
 
     t0 = time.perf_counter()
-    return _report("DeepSpeed checkpoint", args, t0, import_deepspeed(args.src, args.dst, tag=args.tag,
-                                                                      **_options(args)))
+    return _report("DeepSpeed checkpoint", args, t0, import_deepspeed(
+        args.src, args.dst, tag=args.tag, tp_split=tp_split_option(args.parser, args.tp_split), **_options(args)))
+
+
+def tp_split_option(parser: argparse.ArgumentParser, items: list[str]) -> dict[str, str] | None:
+    """``--tp-split PATTERN=RULE`` options as a dict (in order), or None when none were given."""
+    out = {}
+    for item in items:
+        pattern, sep, rule = item.rpartition("=")
+        if not sep or not pattern:
+            parser.error(f"--tp-split {item!r}: expected PATTERN=RULE (RULE a dim, 'replicated' or 'average')")
+        out[pattern] = rule
+    return out or None
 
 
 def _megatron(args: argparse.Namespace) -> int:

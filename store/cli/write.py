@@ -145,13 +145,18 @@ def cmd_export(args: argparse.Namespace) -> int:
         args.parser.error("--ms-format applies to --format mindspore only")
     if (fmt == "deepspeed") != (args.dp is not None):
         args.parser.error("--format deepspeed needs --dp, and --dp needs --format deepspeed")
+    if fmt != "deepspeed" and (args.tp is not None or args.tp_split):
+        args.parser.error("--tp and --tp-split apply to --format deepspeed only")
     t0 = time.perf_counter()
     if fmt == "deepspeed":
         from ..frontends.deepspeed_export import export_deepspeed
+        from .imports import tp_split_option
 
-        done = export_deepspeed(args.src, args.file, args.dp, tag=args.tag,
+        done = export_deepspeed(args.src, args.file, args.dp, tag=args.tag, tp=args.tp,
+                                tp_split=tp_split_option(args.parser, args.tp_split),
                                 storage_options=storage_options(args.storage_option))
-        print(f"exported a ZeRO-{done['stage']} save for {done['dp']} data-parallel ranks to {done['folder']} "
+        print(f"exported a ZeRO-{done['stage']} save for {done['dp']} data-parallel x {done['tp']} model-parallel "
+              f"ranks to {done['folder']} "
               f"({done['files']} files) in {time.perf_counter() - t0:.2f} s")
         return 0
     if fmt == "mindspore":

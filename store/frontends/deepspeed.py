@@ -22,8 +22,10 @@ The ``.pt`` files are read with torch's restricted unpickler
 (:func:`reshard.store.frontends.pt_files.load_pt`): DeepSpeed's classes become
 inert stand-ins, nothing of theirs runs. With bf16 training the optimizer files
 are ``bf16_zero_pp_rank_*`` (ZeRO-1, DeepSpeed's ``BF16_Optimizer`` or its ZeRO
-optimizer: the same partition rule); the prefix is kept for the export. Model
-parallelism (``mp_rank_01``...) is refused, naming the file.
+optimizer: the same partition rule); the prefix is kept for the export. With
+model-parallel ranks (``mp_rank_01``...) each rank's partitions give its TP
+slices, joined into whole tensors by :mod:`.deepspeed_tp` (how each parameter is
+split: ``tp_split``, else the save's ``universal_checkpoint_info``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from reshard.layouts.errors import CheckpointNotFoundError, FormatError, Unsuppo
 
 from ..format.torch_arrays import to_numpy
 from ..write.writer import create, single_process
+from .deepspeed_tp import Rules, block_layout, full_shape, join, tp_layout
 from .pt_files import Stub, load_pt
 from .sources import local_path, refuse_empty
 
@@ -114,38 +117,59 @@ def group_buffer(stage: int, shapes: list[tuple[int, ...]], dp: int, paddings: l
     return FlatBuffer.partitioned(shapes, range(dp), offsets=offsets, pad_to=2 * dp)
 
 
-class DeepSpeedFiles:
-    """The files of one ZeRO save, read (each optimizer file once) and checked."""
-
-    def __init__(self, folder: str) -> None:
-        self.folder = folder
-        files = _listdir(folder)
-        found = {}
-        prefixes = set()
-        for name in files:
-            m = OPTIM.match(name)
-            if m is None:
-                continue
+def scan(folder: str) -> tuple[str, dict[int, dict[int, str]]]:
+    """The optimizer files of a save: their prefix (``"bf16_"`` or ``""``) and ``{mp rank: {dp rank: path}}``,
+    checked complete."""
+    files = _listdir(folder)
+    grid: dict[int, dict[int, str]] = {}
+    prefixes = set()
+    for name in files:
+        m = OPTIM.match(name)
+        if m is not None:
             prefixes.add(m.group(1) or "")
-            if int(m.group(3)) != 0:
-                raise UnsupportedError(f"{folder}: {name} is model-parallel rank {int(m.group(3))}; reshard imports "
-                                       "data-parallel ZeRO saves (mp_rank_00) only")
-            found[int(m.group(2))] = os.path.join(folder, name)
-        if not found:
-            raise CheckpointNotFoundError(f"{folder}: no zero_pp_rank_*_mp_rank_00_optim_states.pt files: not a "
-                                          "DeepSpeed ZeRO checkpoint (pass the tag folder, or a folder with 'latest')")
-        if len(prefixes) > 1:
-            raise FormatError(f"{folder}: both bf16_zero_pp_rank_* and zero_pp_rank_* optimizer files: two saves "
-                              "mixed in one folder")
+            grid.setdefault(int(m.group(3)), {})[int(m.group(2))] = os.path.join(folder, name)
+    if not grid:
+        raise CheckpointNotFoundError(f"{folder}: no zero_pp_rank_*_mp_rank_*_optim_states.pt files: not a "
+                                      "DeepSpeed ZeRO checkpoint (pass the tag folder, or a folder with 'latest')")
+    if len(prefixes) > 1:
+        raise FormatError(f"{folder}: both bf16_zero_pp_rank_* and zero_pp_rank_* optimizer files: two saves "
+                          "mixed in one folder")
+    if any(f.startswith("layer_") and f.endswith("model_states.pt") for f in files):
+        raise UnsupportedError(f"{folder}: layer_*-model_states.pt files: a pipeline-parallel save, which reshard "
+                               "does not import")
+    if sorted(grid) != list(range(len(grid))):
+        raise FormatError(f"{folder}: optimizer files of model-parallel ranks {sorted(grid)}: some are missing")
+    dp = max(max(ranks) + 1 for ranks in grid.values())
+    for mp, ranks in sorted(grid.items()):
+        if sorted(ranks) != list(range(dp)):
+            what = f"model-parallel rank {mp}'s" if len(grid) > 1 else "the"
+            raise FormatError(f"{folder}: {what} optimizer files are of data-parallel ranks {sorted(ranks)[:16]} "
+                              f"of {dp}: some are missing")
+    return prefixes.pop(), grid
+
+
+class DeepSpeedFiles:
+    """The files of one model-parallel rank of a ZeRO save (all of a data-parallel save), read (each optimizer
+    file once) and checked."""
+
+    def __init__(self, folder: str, mp: int = 0, found: dict[int, str] | None = None, prefix: str | None = None,
+                 tp: int = 1) -> None:
+        self.folder = folder
+        if found is None or prefix is None:
+            prefix, grid = scan(folder)
+            found = grid[mp]
+        files = _listdir(folder)
         #: ``"bf16_"`` for the bf16 optimizer's file names, else ``""``.
-        self.prefix = prefixes.pop()
+        self.prefix = prefix
+        self.mp = mp
         self.dp = len(found)
-        if sorted(found) != list(range(self.dp)):
-            raise FormatError(f"{folder}: optimizer files of data-parallel ranks {sorted(found)}: some are missing")
-        states = [f for f in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt") if f in files]
+        states = [f for f in (f"mp_rank_{mp:02d}_model_states.pt", f"zero_pp_rank_0_mp_rank_{mp:02d}_model_states.pt")
+                  if f in files]
         if not states:
-            raise FormatError(f"{folder}: no model states file (mp_rank_00_model_states.pt)")
+            raise FormatError(f"{folder}: no model states file (mp_rank_{mp:02d}_model_states.pt)")
         self.model = load_pt(os.path.join(folder, states[0]))
+        if not isinstance(self.model, Mapping):
+            raise FormatError(f"{folder}/{states[0]} holds a {type(self.model).__name__}, not a dict")
         self.optim = [load_pt(found[r]) for r in range(self.dp)]
         self.osd: list[Mapping[str, Any]] = []
         for r, o in enumerate(self.optim):
@@ -157,10 +181,24 @@ class DeepSpeedFiles:
         if self.model.get("dp_world_size", self.dp) != self.dp:
             raise FormatError(f"{folder}: the model states say {self.model.get('dp_world_size')} data-parallel "
                               f"ranks, the folder holds {self.dp} optimizer files")
-        self.shapes = [[(str(n), tuple(int(x) for x in s)) for n, s in g.items()]
-                       for g in self.model.get("param_shapes") or []]
+        if self.model.get("mp_world_size", tp) != tp:
+            raise FormatError(f"{folder}: the model states say {self.model.get('mp_world_size')} model-parallel "
+                              f"ranks, the folder holds optimizer files of {tp}")
+        dims = self.model.get("checkpoint_parallel_dimensions")
+        if isinstance(dims, Mapping) and dims.get("pp_degree", 1) not in (None, 1):
+            raise UnsupportedError(f"{folder}: a pipeline-parallel save (pp_degree {dims.get('pp_degree')}), which "
+                                   "reshard does not import")
+        try:
+            self.shapes = [[(str(n), tuple(int(x) for x in s)) for n, s in g.items()]
+                           for g in self.model.get("param_shapes") or []]
+        except (AttributeError, TypeError, ValueError):
+            raise FormatError(f"{folder}: the model states' param_shapes are not lists of name -> shape") from None
         if not self.shapes:
             raise FormatError(f"{folder}: the model states hold no param_shapes")
+
+    @property
+    def _mp(self) -> str:
+        return f" of model-parallel rank {self.mp}" if self.mp else ""
 
     def fp32(self, rank: int) -> list[Any]:
         osd = self.osd[rank]
@@ -185,13 +223,13 @@ class DeepSpeedFiles:
             for r in range(self.dp):
                 fp32 = self.fp32(r)
                 if g >= len(fp32):
-                    raise FormatError(f"{self.folder}: rank {r} holds {len(fp32)} parameter groups, the model "
-                                      f"states {len(self.shapes)}")
+                    raise FormatError(f"{self.folder}: rank {r}{self._mp} holds {len(fp32)} parameter groups, the "
+                                      f"model states {len(self.shapes)}")
                 need = max((off + b - a for off, _, a, b in buf.part(r).segments), default=0)
                 if fp32[g].numel() < need or fp32[g].numel() > buf.part(r).size:
-                    raise FormatError(f"{self.folder}: rank {r} group {g} holds {fp32[g].numel()} fp32 elements; "
-                                      f"DeepSpeed's partition of {[list(s) for _, s in named]} over {self.dp} ranks "
-                                      f"gives {need} to {buf.part(r).size}")
+                    raise FormatError(f"{self.folder}: rank {r}{self._mp} group {g} holds {fp32[g].numel()} fp32 "
+                                      f"elements; DeepSpeed's partition of {[list(s) for _, s in named]} over "
+                                      f"{self.dp} ranks gives {need} to {buf.part(r).size}")
                 self._check_mappings(r, g, named, buf)
             out.append(buf)
         return out
@@ -204,11 +242,12 @@ class DeepSpeedFiles:
         got = {str(k): (int(v.field("start", 1)), int(v.field("numel", 0))) if isinstance(v, Stub) else None
                for k, v in maps[g].items()}
         if got != want:
-            raise FormatError(f"{self.folder}: rank {rank} group {g}: DeepSpeed's param_slice_mappings {got} differ "
-                              f"from the partition reshard computes {want}")
+            raise FormatError(f"{self.folder}: rank {rank}{self._mp} group {g}: DeepSpeed's param_slice_mappings "
+                              f"{got} differ from the partition reshard computes {want}")
 
 
-def import_deepspeed(src: str, dst: str, *, tag: str | None = None, **options: Any) -> dict[str, Any]:
+def import_deepspeed(src: str, dst: str, *, tag: str | None = None, tp_split: Mapping[str, Any] | None = None,
+                     **options: Any) -> dict[str, Any]:
     """Convert a DeepSpeed ZeRO-1/2/3 checkpoint into a reshard checkpoint (see the module docstring).
 
     Parameters
@@ -219,51 +258,95 @@ def import_deepspeed(src: str, dst: str, *, tag: str | None = None, **options: A
         The new checkpoint.
     tag : str, optional
         The save to import (default: ``latest``).
+    tp_split : mapping, optional
+        With model-parallel ranks (``mp_rank_01``...): ``{pattern: rule}``, how the parameters whose names
+        match ``pattern`` (:func:`re.match`, the first that matches wins) are split over the TP ranks: a
+        dim, ``"replicated"`` or ``"average"`` (see :mod:`.deepspeed_tp`); before the save's own
+        ``universal_checkpoint_info``.
     **options
         As for :func:`reshard.store.create`.
 
     Returns
     -------
     dict
-        ``{"tensors", "bytes", "stage", "dp", "skipped"}``; ``skipped`` names model-state
+        ``{"tensors", "bytes", "stage", "dp", "tp", "skipped"}``; ``skipped`` names model-state
         entries that are not JSON (left out of the ``deepspeed`` leaf).
     """
-    ds = DeepSpeedFiles(tag_folder(src, tag))
-    buffers = ds.buffers()
-    origin = {"framework": "deepspeed", "zero_stage": ds.stage}
+    folder = tag_folder(src, tag)
+    prefix, grid = scan(folder)
+    tp = len(grid)
+    parts = [DeepSpeedFiles(folder, m, grid[m], prefix, tp) for m in range(tp)]
+    ds = parts[0]
+    for p in parts[1:]:
+        if (p.stage, [[n for n, _ in g] for g in p.shapes]) != (ds.stage, [[n for n, _ in g] for g in ds.shapes]):
+            raise FormatError(f"{folder}: model-parallel rank {p.mp}'s ZeRO stage or parameter groups differ from "
+                              "rank 0's")
+    rules = Rules(tp_split, _plain_info(ds.model.get("universal_checkpoint_info"))) if tp > 1 else None
+    buffers = [p.buffers() for p in parts]
+    origin: dict[str, Any] = {"framework": "deepspeed", "zero_stage": ds.stage}
     layouts: dict[str, Layout] = {}
-    arrays: dict[str, Any] = {}  # name -> (layout, list of (rank, local array, offset)) or a whole array
+    arrays: dict[str, Any] = {}  # name -> ("flat", rule, per mp rank (t, buffer, per-rank partitions)) or module
     groups: list[dict[str, Any]] = []
-    bases = [ds.base(r) for r in range(ds.dp)]
-    fp32 = [ds.fp32(r) for r in range(ds.dp)]
-    for g, (named, buf) in enumerate(zip(ds.shapes, buffers, strict=True)):
-        state0, hyper = bases[0][0][g], bases[0][1]
+    resolved: dict[str, Any] = {}
+    bases = [[p.base(r) for r in range(ds.dp)] for p in parts]
+    fp32 = [[p.fp32(r) for r in range(ds.dp)] for p in parts]
+    for g, named in enumerate(ds.shapes):
+        state0, hyper = bases[0][0][0][g], bases[0][0][1]
         keys = sorted(k for k, v in state0.items() if getattr(v, "ndim", 0) == 1)
         step = {k: _plain(v) for k, v in state0.items() if k not in keys}
-        for t, (name, _) in enumerate(named):
-            lay = buf.layout(t, origin)
-            sources = {"fp32": [fp32[r][g] for r in range(ds.dp)]}
-            sources.update({k: [bases[r][0][g][k] for r in range(ds.dp)] for k in keys})
-            for what, per_rank in sources.items():
+        shapes = []
+        for t, (name, local) in enumerate(named):
+            slices = [p.shapes[g][t][1] for p in parts]
+            got = 0 if rules is None else rules.of(name, optimized=True)
+            assert got is not None  # an optimized parameter has a rule or is refused
+            rule = got
+            shape = local if rules is None else full_shape(name, rule, slices)
+            shapes.append(shape)
+            local_lays = [buffers[m][g].layout(t, origin) for m in range(tp)]
+            lay = local_lays[0] if rules is None else tp_layout(shape, rule, slices, local_lays,
+                                                                {**origin, "tp": tp, "tp_rule": rule})
+            if rules is not None:
+                resolved[name] = rule
+            sources = {"fp32": [[fp32[m][r][g] for r in range(ds.dp)] for m in range(tp)]}
+            sources.update({k: [[_state(bases[m][r][0], g, k, parts[m], r) for r in range(ds.dp)]
+                                for m in range(tp)] for k in keys})
+            for what, per_mp in sources.items():
                 full = f"optimizer.{what}.{name}"
                 layouts[full] = lay
-                arrays[full] = (t, buf, per_rank)
-        recorded = ds.osd[0].get("param_alignment_paddings") if ds.stage != 3 else None
+                arrays[full] = ("flat", rule, [(t, buffers[m][g], per_mp[m]) for m in range(tp)])
+        recorded = [p.osd[0].get("param_alignment_paddings") if ds.stage != 3 else None for p in parts]
         hyper_g = hyper[g] if g < len(hyper) else {}
-        groups.append({"names": [n for n, _ in named], "shapes": [list(s) for _, s in named],
-                       "paddings": [int(p) for p in recorded[g]] if recorded else [0] * len(named),
-                       "states": keys, "scalars": step,
-                       "hyper": _plain({k: v for k, v in hyper_g.items() if k != "params"})})
-    module = ds.model.get("module") or {}
+        entry = {"names": [n for n, _ in named], "shapes": [list(s) for s in shapes],
+                 "paddings": [int(x) for x in recorded[0][g]] if recorded[0] else [0] * len(named),
+                 "states": keys, "scalars": step, "hyper": _plain({k: v for k, v in hyper_g.items() if k != "params"})}
+        if tp > 1:
+            entry["tp_shapes"] = [[list(s) for _, s in p.shapes[g]] for p in parts]
+            entry["tp_paddings"] = [[int(x) for x in r[g]] if r else [0] * len(named) for r in recorded]
+        groups.append(entry)
+    modules = [p.model.get("module") or {} for p in parts]
     wanted = {n: s for named in ds.shapes for n, s in named}
-    for name, value in module.items():
+    for name, value in modules[0].items():
+        values = [mod.get(name) for mod in modules]
+        if any(not hasattr(v, "shape") or not hasattr(v, "detach") for v in values):
+            raise FormatError(f"{folder}: module entry {name!r} is not a tensor in every model-parallel rank's states")
         if ds.stage == 3 and name in wanted and tuple(value.shape) != wanted[name]:
             continue  # ZeRO-3: a partitioned parameter's placeholder; its values are the fp32 copy
-        arr = to_numpy(value.detach().contiguous())
-        layouts[f"module.{name}"] = Layout.single(arr.shape)
-        arrays[f"module.{name}"] = arr
+        arrs = [to_numpy(v.detach().contiguous()) for v in values]  # type: ignore[union-attr]
+        if rules is None:
+            layouts[f"module.{name}"] = Layout.single(arrs[0].shape)
+            arrays[f"module.{name}"] = arrs[0]
+            continue
+        mrule = resolved[name] if name in resolved else rules.of(name, optimized=False)
+        if mrule is None:
+            mrule = "replicated"  # not an optimized parameter, no rule: replicated if the values agree (join checks)
+        whole = join(f"module.{name}", mrule, arrs)
+        layouts[f"module.{name}"] = block_layout(whole.shape, mrule, [a.shape for a in arrs])
+        arrays[f"module.{name}"] = whole
+        resolved.setdefault(name, mrule)
     refuse_empty("DeepSpeed", ds.folder, len(layouts))
     leaves, skipped = _leaves(ds, groups)
+    if tp > 1:
+        leaves["deepspeed"].update(tp=tp, tp_rules=resolved)
     writer = create(dst, layouts, **single_process(options))
     metas = {}
     total = 0
@@ -274,14 +357,34 @@ def import_deepspeed(src: str, dst: str, *, tag: str | None = None, **options: A
             writer.write_block(meta, tuple(slice(0, n) for n in data.shape), data)
             total += data.nbytes
             continue
-        t, buf, per_rank = data
-        whole = _gather(name, lay, t, buf, per_rank)
+        _, rule, per_mp = data
+        parts_of = [_gather(name, buf.layout(t), t, buf, per_rank) for t, buf, per_rank in per_mp]
+        whole = parts_of[0] if tp == 1 else join(name, rule, parts_of)
         metas[name] = meta = writer.meta(name, lay, _dtype(whole), single_writer=True)
         writer.write_block(meta, tuple(slice(0, n) for n in whole.shape), whole)
         total += whole.nbytes
     writer.write_manifests(metas, leaves)
     writer.commit()
-    return {"tensors": len(layouts), "bytes": total, "stage": ds.stage, "dp": ds.dp, "skipped": skipped}
+    return {"tensors": len(layouts), "bytes": total, "stage": ds.stage, "dp": ds.dp, "tp": tp, "skipped": skipped}
+
+
+def _state(states: list[dict[str, Any]], g: int, key: str, ds: DeepSpeedFiles, rank: int) -> Any:
+    """Optimizer state ``key`` of group ``g`` in one rank's file, checked to be there."""
+    value = states[g].get(key) if g < len(states) and isinstance(states[g], Mapping) else None
+    if not hasattr(value, "numel"):
+        raise FormatError(f"{ds.folder}: rank {rank}{ds._mp} holds no optimizer state {key!r} of group {g} "
+                          "(rank 0 does)")
+    return value
+
+
+def _plain_info(info: Any) -> Any:
+    """``universal_checkpoint_info`` as plain data (None when absent)."""
+    if info is None:
+        return None
+    try:
+        return _plain(info)
+    except TypeError as e:
+        raise FormatError(f"the model states' universal_checkpoint_info holds {e}, not plain data") from None
 
 
 def _dtype(arr: np.ndarray) -> str:

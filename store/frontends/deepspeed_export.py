@@ -1,4 +1,4 @@
-"""Writing a DeepSpeed ZeRO save back, for any data-parallel size (``reshard export-deepspeed``).
+"""Writing a DeepSpeed ZeRO save back, for any data- and model-parallel size (``reshard export deepspeed``).
 
 :func:`export_deepspeed` takes a checkpoint imported by
 :func:`reshard.store.frontends.deepspeed.import_deepspeed` (its ``deepspeed``
@@ -8,8 +8,12 @@ entries; the tensors may since have been redivided to any layouts) and writes
 (:func:`reshard.store.frontends.deepspeed.group_buffer`), each rank's fp32
 partition and optimizer state read straight from the checkpoint with flat
 target layouts (:meth:`reshard.store.Checkpoint.load`), one
-``zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` per rank, the model states and
-``latest``. ``engine.load_checkpoint(dst)`` on ``dp`` ranks then resumes.
+``zero_pp_rank_<r>_mp_rank_<m>_optim_states.pt`` per rank, the model states and
+``latest``. ``engine.load_checkpoint(dst)`` on ``dp`` (x ``tp``) ranks then resumes.
+With ``tp`` model-parallel ranks (:class:`TPPlan`), rank ``m``'s files hold
+DeepSpeed's partition of its TP slices (the slices the import recorded, or even
+cuts by the recorded or given rules, :mod:`.deepspeed_tp`), read from the whole
+tensors under layouts over those slices (:func:`deepspeed_layouts`).
 
 Written with ``torch.save``: tensors, plain containers, and the few DeepSpeed
 objects its loader reads (the ``LossScaler`` with its saved state, the
@@ -25,23 +29,26 @@ import math
 import os
 import pickle  # to WRITE DeepSpeed's own file format (torch.save); reshard's format never pickles
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, ClassVar
 
 import numpy as np
-from reshard.layouts import FlatBuffer
-from reshard.layouts.errors import FormatError
+from reshard.layouts import FlatBuffer, FlatLayout
+from reshard.layouts.errors import FormatError, UnsupportedError
 
 from ..format.torch_arrays import from_numpy
 from ..format.tree import unflatten
 from ..read.checkpoint import Checkpoint
 from ..read.open import open as open_checkpoint
 from .deepspeed import group_buffer
+from .deepspeed_tp import Rules, offsets, split_shapes, tp_layout
 from .sources import local_path
 
 
-def export_deepspeed(src: str | Checkpoint, dst: str, dp: int, *, tag: str = "reshard",
+def export_deepspeed(src: str | Checkpoint, dst: str, dp: int, *, tag: str = "reshard", tp: int | None = None,
+                     tp_split: Mapping[str, Any] | None = None,
                      storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write checkpoint ``src`` (imported from DeepSpeed) as a ZeRO save for ``dp`` data-parallel ranks.
 
@@ -55,74 +62,195 @@ def export_deepspeed(src: str | Checkpoint, dst: str, dp: int, *, tag: str = "re
         The data-parallel size to write for.
     tag : str
         The save's folder name.
+    tp : int, optional
+        The model-parallel size to write for (``mp_rank_<m>`` files; default: the imported save's). Another
+        size than the save's cuts every split tensor evenly (Megatron's rule).
+    tp_split : mapping, optional
+        ``{pattern: rule}`` as for the import, before the rules the import recorded (needed to write a
+        data-parallel save for ``tp > 1``).
 
     Returns
     -------
     dict
-        ``{"folder", "dp", "stage", "files", "bytes"}``.
+        ``{"folder", "dp", "tp", "stage", "files", "bytes"}``.
     """
     import torch
 
     if dp < 1:
         raise ValueError(f"dp must be at least 1, got {dp}")
     ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src, storage_options=storage_options)
+    info = _info(ckpt)
+    stage, groups = int(info["stage"]), info["groups"]
+    plan = TPPlan(info, tp, tp_split)
+    tp = plan.tp
+    buffers = [[group_buffer(stage, plan.shapes(g, m), dp, plan.paddings(g, m)) for g in range(len(groups))]
+               for m in range(tp)]
+    folder = os.path.join(local_path(dst), tag)
+    os.makedirs(folder, exist_ok=True)
+    files, written = [], 0
+    prefix = "bf16_" if info.get("file_prefix") == "bf16_" else ""
+    for m in range(tp):
+        for rank in range(dp):
+            fp32, states = [], []
+            for g, (group, buf) in enumerate(zip(groups, buffers[m], strict=True)):
+                vectors = _rank_vectors(ckpt, group, buf, rank, plan.layouts(g, m, buffers), rank * tp + m)
+                fp32.append(vectors.pop("fp32")[: _lean(stage, plan.shapes(g, m), plan.paddings(g, m), buf, rank)])
+                scalars = {k: torch.tensor(float(v)) if k == "step" else v for k, v in group.get("scalars", {}).items()}
+                states.append({**scalars, **vectors})
+            param_groups = [{**_hyper(group.get("hyper", {})), "params": [g]} for g, group in enumerate(groups)]
+            base = {"state": dict(enumerate(states)), "param_groups": param_groups}
+            optim = dict(info.get("optimizer") or {})
+            optim["loss_scaler"] = foreign(optim.get("loss_scaler"), LOSS_SCALER)
+            optim.setdefault("dynamic_loss_scale", False)
+            optim.setdefault("overflow", False)
+            optim.setdefault("ds_version", info.get("ds_version"))
+            zero_stage = _named(STAGE_ENUM, (stage,), None)
+            if stage == 3:
+                osd = {**optim, "zero_stage": zero_stage, "partition_count": dp, "optimizer_state_dict": base,
+                       "fp32_flat_groups": fp32}
+            else:
+                osd = {**optim, "zero_stage": zero_stage, "base_optimizer_state": base,
+                       "single_partition_of_fp32_groups": fp32,
+                       "group_paddings": [_padding(plan.shapes(g, m), plan.paddings(g, m), buf, dp)
+                                          if rank == dp - 1 else 0 for g, buf in enumerate(buffers[m])],
+                       "param_alignment_paddings": [plan.paddings(g, m) for g in range(len(groups))],
+                       "partition_count": [dp] * len(groups)}
+            path = os.path.join(folder, f"{prefix}zero_pp_rank_{rank}_mp_rank_{m:02d}_optim_states.pt")
+            torch.save({"optimizer_state_dict": osd, "ds_config": info.get("ds_config"),
+                        "ds_version": info.get("ds_version")}, path, pickle_module=PICKLE)
+            files.append(path)
+            written += sum(t.numel() * t.element_size() for t in fp32) + sum(
+                v.numel() * v.element_size() for s in states for v in s.values() if isinstance(v, torch.Tensor))
+        model = {**dict(info.get("model_states") or {}), "module": _module(ckpt, groups, stage, plan, m),
+                 "optimizer": None, "dp_world_size": dp, "mp_world_size": tp,
+                 "param_shapes": [OrderedDict((n, torch.Size(s)) for n, s in
+                                              zip(g["names"], plan.shapes(i, m), strict=True))
+                                  for i, g in enumerate(groups)]}
+        if isinstance(model.get("checkpoint_parallel_dimensions"), dict):
+            model["checkpoint_parallel_dimensions"] = {**model["checkpoint_parallel_dimensions"], "tp_degree": tp}
+        for key in ("frozen_param_shapes", "frozen_param_fragments"):
+            model[key] = OrderedDict(model.get(key) or {})
+        names = [f"zero_pp_rank_{r}_mp_rank_{m:02d}_model_states.pt" for r in range(dp)] if stage == 3 \
+            else [f"mp_rank_{m:02d}_model_states.pt"]
+        for name in names:
+            torch.save(model, os.path.join(folder, name))
+            files.append(os.path.join(folder, name))
+    with open(os.path.join(local_path(dst), "latest"), "w") as f:
+        f.write(tag)
+    return {"folder": folder, "dp": dp, "tp": tp, "stage": stage, "files": len(files), "bytes": written}
+
+
+def deepspeed_layouts(src: str | Checkpoint | dict[str, Any], dp: int, *, tp: int | None = None,
+                      tp_split: Mapping[str, Any] | None = None) -> dict[str, FlatLayout]:
+    """DeepSpeed's layouts of every ``optimizer.*`` tensor for ``dp`` data-parallel x ``tp`` model-parallel
+    ranks (global rank ``d * tp + m``), e.g. for :func:`reshard.store.redivide` before an export.
+
+    ``src`` is a checkpoint imported from DeepSpeed (or its ``deepspeed`` leaf); ``tp`` and ``tp_split``
+    as for :func:`export_deepspeed`.
+    """
+    info = src if isinstance(src, dict) else _info(src if isinstance(src, Checkpoint) else open_checkpoint(src))
+    stage, groups = int(info["stage"]), info["groups"]
+    plan = TPPlan(info, tp, tp_split)
+    buffers = [[group_buffer(stage, plan.shapes(g, m), dp, plan.paddings(g, m)) for g in range(len(groups))]
+               for m in range(plan.tp)]
+    out = {}
+    for g, group in enumerate(groups):
+        if plan.tp == 1:
+            lays = list(buffers[0][g].layouts())
+        else:
+            lays = [tp_layout(tuple(shape), plan.rules[name], [plan.shapes(g, k)[t] for k in range(plan.tp)],
+                              [buffers[k][g].layout(t) for k in range(plan.tp)])
+                    for t, (name, shape) in enumerate(zip(group["names"], group["shapes"], strict=True))]
+        for name, lay in zip(group["names"], lays, strict=True):
+            out.update({f"optimizer.{what}.{name}": lay for what in ("fp32", *group.get("states", []))})
+    return out
+
+
+def _info(ckpt: Checkpoint) -> dict[str, Any]:
+    """The ``deepspeed`` leaf of a checkpoint imported from DeepSpeed, checked."""
     info = ckpt.leaves.get("deepspeed")
     if info is None:  # a state saved again with rs.save: its nested leaves were stored by dotted name
         info = unflatten({k: v for k, v in ckpt.leaves.items() if k.startswith("deepspeed.")}).get("deepspeed")
     if not isinstance(info, dict) or "groups" not in info or info.get("stage") not in (1, 2, 3):
         raise FormatError(f"{ckpt.url}: no 'deepspeed' leaf: not a checkpoint imported from DeepSpeed "
                           "(reshard import deepspeed)")
-    stage, groups = int(info["stage"]), info["groups"]
-    buffers = [group_buffer(stage, [tuple(s) for s in g["shapes"]], dp, g.get("paddings")) for g in groups]
-    folder = os.path.join(local_path(dst), tag)
-    os.makedirs(folder, exist_ok=True)
-    files, written = [], 0
-    for rank in range(dp):
-        fp32, states = [], []
-        for group, buf in zip(groups, buffers, strict=True):
-            vectors = _rank_vectors(ckpt, group, buf, rank)
-            fp32.append(vectors.pop("fp32")[: _lean(stage, group, buf, rank)])
-            scalars = {k: torch.tensor(float(v)) if k == "step" else v for k, v in group.get("scalars", {}).items()}
-            states.append({**scalars, **vectors})
-        param_groups = [{**_hyper(group.get("hyper", {})), "params": [g]} for g, group in enumerate(groups)]
-        base = {"state": dict(enumerate(states)), "param_groups": param_groups}
-        optim = dict(info.get("optimizer") or {})
-        optim["loss_scaler"] = foreign(optim.get("loss_scaler"), LOSS_SCALER)
-        optim.setdefault("dynamic_loss_scale", False)
-        optim.setdefault("overflow", False)
-        optim.setdefault("ds_version", info.get("ds_version"))
-        zero_stage = _named(STAGE_ENUM, (stage,), None)
-        if stage == 3:
-            osd = {**optim, "zero_stage": zero_stage, "partition_count": dp, "optimizer_state_dict": base,
-                   "fp32_flat_groups": fp32}
+    return info
+
+
+class TPPlan:
+    """The model-parallel side of an export: each rank's slice shapes, paddings and the layouts to read them."""
+
+    def __init__(self, info: dict[str, Any], tp: int | None, tp_split: Mapping[str, Any] | None) -> None:
+        self.source = int(info.get("tp") or 1)
+        self.tp = self.source if tp is None else int(tp)
+        if self.tp < 1:
+            raise ValueError(f"tp must be at least 1, got {tp}")
+        self.groups = info["groups"]
+        self.user = Rules(tp_split, None)
+        self.recorded = dict(info.get("tp_rules") or {})
+        self.rules: dict[str, int | str] = {}
+        self._layouts: dict[tuple[int, int], list[FlatLayout]] = {}
+        for group in self.groups:
+            if self.tp != self.source and any(group.get("paddings") or []):
+                raise ValueError(f"parameters {group['names'][:4]} have DeepSpeed alignment paddings "
+                                 f"{group['paddings'][:4]}: reshard writes them for the imported TP size only")
+            for name in group["names"]:
+                self.rules[name] = self.rule(name) if self.tp > 1 else 0
+
+    def rule(self, name: str) -> int | str:
+        got = self.user.of(name, optimized=False) if self.user.user else None
+        if got is None:
+            got = self.recorded.get(name)
+        if got is None:
+            raise UnsupportedError(f"{name}: writing {self.tp} tensor-parallel ranks, and nothing says along which "
+                                   "dim it splits (the imported save had one model-parallel rank): pass "
+                                   "tp_split={pattern: dim | 'replicated' | 'average'}")
+        return got
+
+    def shapes(self, g: int, m: int) -> list[tuple[int, ...]]:
+        group = self.groups[g]
+        if self.tp == self.source and "tp_shapes" in group:
+            return [tuple(s) for s in group["tp_shapes"][m]]
+        return [split_shapes(n, self.rules[n], s, self.tp)[m] for n, s in zip(group["names"], group["shapes"],
+                                                                               strict=True)]
+
+    def paddings(self, g: int, m: int) -> list[int]:
+        group = self.groups[g]
+        if self.tp == self.source and "tp_paddings" in group:
+            return [int(p) for p in group["tp_paddings"][m]]
+        return [int(p) for p in group.get("paddings") or [0] * len(group["names"])]
+
+    def layouts(self, g: int, m: int, buffers: list[list[FlatBuffer]]) -> list[FlatLayout]:
+        """The layouts, over the whole tensors, under which DP rank ``d`` of model-parallel rank ``m`` (global
+        rank ``d * tp + m``) holds its ranges of group ``g``'s tensors."""
+        if self.tp == 1:
+            return list(buffers[0][g].layouts())
+        key = (g, m)
+        if key not in self._layouts:
+            group = self.groups[g]
+            out = []
+            for t, (name, shape) in enumerate(zip(group["names"], group["shapes"], strict=True)):
+                rule = self.rules[name]
+                slices = [self.shapes(g, k)[t] for k in range(self.tp)]
+                out.append(tp_layout(tuple(shape), rule, slices, [buffers[k][g].layout(t) for k in range(self.tp)],
+                                     only=m))
+            self._layouts[key] = out
+        return self._layouts[key]
+
+    def module_region(self, name: str, shape: tuple[int, ...], m: int) -> tuple[slice, ...]:
+        """Model-parallel rank ``m``'s slice of module tensor ``name``."""
+        if self.tp == 1:
+            return tuple(slice(0, n) for n in shape)
+        rule = self.rules[name] if name in self.rules else self.rule(name)
+        for g, group in enumerate(self.groups):
+            if name in group["names"] and self.tp == self.source:  # the recorded slices (uneven ones too)
+                t = group["names"].index(name)
+                shapes = [self.shapes(g, k)[t] for k in range(self.tp)]
+                break
         else:
-            osd = {**optim, "zero_stage": zero_stage, "base_optimizer_state": base,
-                   "single_partition_of_fp32_groups": fp32,
-                   "group_paddings": [_padding(group, buf, dp) if rank == dp - 1 else 0
-                                      for group, buf in zip(groups, buffers, strict=True)],
-                   "param_alignment_paddings": [list(g.get("paddings") or [0] * len(g["names"])) for g in groups],
-                   "partition_count": [dp] * len(groups)}
-        prefix = "bf16_" if info.get("file_prefix") == "bf16_" else ""
-        path = os.path.join(folder, f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
-        torch.save({"optimizer_state_dict": osd, "ds_config": info.get("ds_config"),
-                    "ds_version": info.get("ds_version")}, path, pickle_module=PICKLE)
-        files.append(path)
-        written += sum(t.numel() * t.element_size() for t in fp32) + sum(
-            v.numel() * v.element_size() for s in states for v in s.values() if isinstance(v, torch.Tensor))
-    module = _module(ckpt, groups, stage)
-    model = {**dict(info.get("model_states") or {}), "module": module, "optimizer": None,
-             "param_shapes": [OrderedDict((n, torch.Size(s)) for n, s in zip(g["names"], g["shapes"], strict=True))
-                              for g in groups], "dp_world_size": dp}
-    for key in ("frozen_param_shapes", "frozen_param_fragments"):
-        model[key] = OrderedDict(model.get(key) or {})
-    names = [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(dp)] if stage == 3 \
-        else ["mp_rank_00_model_states.pt"]
-    for name in names:
-        torch.save(model, os.path.join(folder, name))
-        files.append(os.path.join(folder, name))
-    with open(os.path.join(local_path(dst), "latest"), "w") as f:
-        f.write(tag)
-    return {"folder": folder, "dp": dp, "stage": stage, "files": len(files), "bytes": written}
+            shapes = split_shapes(name, rule, shape, self.tp)
+        start = offsets(rule, shapes)[m]
+        return tuple(slice(o, o + n) for o, n in zip(start, shapes[m], strict=True))
 
 
 LOSS_SCALER = "deepspeed.runtime.fp16.loss_scaler.LossScaler"
@@ -192,10 +320,10 @@ PICKLE = ModuleType("reshard_deepspeed_pickle")
 PICKLE.Pickler = _Pickler  # type: ignore[attr-defined]
 
 
-def _rank_vectors(ckpt: Checkpoint, group: dict[str, Any], buf: FlatBuffer, rank: int) -> dict[str, Any]:
+def _rank_vectors(ckpt: Checkpoint, group: dict[str, Any], buf: FlatBuffer, rank: int, layouts: list[FlatLayout],
+                  load_rank: int) -> dict[str, Any]:
     """The rank's flat partition of each of ``fp32`` and the group's states: its ranges read from the
-    checkpoint under the new flat layouts straight into their places in the partition, padding zero."""
-    layouts = buf.layouts()
+    checkpoint under ``layouts`` (rank ``load_rank``) straight into their places in the partition, padding zero."""
     whats = ["fp32", *group.get("states", [])]
     part = buf.part(rank)
     out, into, targets = {}, {}, {}
@@ -214,23 +342,21 @@ def _rank_vectors(ckpt: Checkpoint, group: dict[str, Any], buf: FlatBuffer, rank
         vec[at:] = 0
         out[what] = vec
     if targets:
-        ckpt.load(targets, rank, out=into)
+        ckpt.load(targets, load_rank, out=into)
     return {what: from_numpy(vec) for what, vec in out.items()}
 
 
-def _padding(group: dict[str, Any], buf: FlatBuffer, dp: int) -> int:
+def _padding(shapes: list[tuple[int, ...]], paddings: list[int], buf: FlatBuffer, dp: int) -> int:
     """DeepSpeed's ``group_paddings`` entry of the last rank: the group's padded length minus its content."""
-    shapes = [tuple(s) for s in group["shapes"]]
-    paddings = group.get("paddings") or [0] * len(shapes)
     end = sum(math.prod(s) for s in shapes) + sum(paddings[:-1])
     return buf.part(dp - 1).size * dp - end
 
 
-def _lean(stage: int, group: dict[str, Any], buf: FlatBuffer, rank: int) -> int:
+def _lean(stage: int, shapes: list[tuple[int, ...]], paddings: list[int], buf: FlatBuffer, rank: int) -> int:
     """The length DeepSpeed saves of a rank's fp32 partition (ZeRO-1/2 drop the last rank's padding)."""
     size = buf.part(rank).size
     last = len(buf.parts) - 1
-    return size if stage == 3 or rank != last else size - _padding(group, buf, len(buf.parts))
+    return size if stage == 3 or rank != last else size - _padding(shapes, paddings, buf, len(buf.parts))
 
 
 def _hyper(hyper: dict[str, Any]) -> dict[str, Any]:
@@ -238,14 +364,18 @@ def _hyper(hyper: dict[str, Any]) -> dict[str, Any]:
     return {k: tuple(v) if k == "betas" and isinstance(v, list) else v for k, v in hyper.items()}
 
 
-def _module(ckpt: Checkpoint, groups: list[dict[str, Any]], stage: int) -> OrderedDict[str, Any]:
-    """The model's weights and buffers (``module.*``); ZeRO-3 keeps empty placeholders for its parameters."""
+def _module(ckpt: Checkpoint, groups: list[dict[str, Any]], stage: int, plan: TPPlan, m: int
+            ) -> OrderedDict[str, Any]:
+    """Model-parallel rank ``m``'s weights and buffers (``module.*``); ZeRO-3 keeps empty placeholders for its
+    parameters."""
     import torch
 
     out: OrderedDict[str, Any] = OrderedDict()
     for name in ckpt:
         if name.startswith("module."):
-            out[name[len("module."):]] = from_numpy(ckpt.read(name))
+            short = name[len("module."):]
+            region = plan.module_region(short, ckpt.tensor(name).shape, m)
+            out[short] = from_numpy(np.ascontiguousarray(ckpt.read(name, region)))
     if stage == 3:
         for g in groups:
             for name in g["names"]:
