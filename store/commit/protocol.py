@@ -22,7 +22,7 @@ import contextlib
 import functools
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from reshard.layouts.errors import (
@@ -41,6 +41,7 @@ from ..format.meta import (
 )
 from ..format.refs import REFS_KEY, objects_of
 from ..format.refs import build as build_references
+from ..format.refs import stream as references_stream
 from ..io import pool
 from ..io.gcpause import gc_paused
 from ..io.storage import Storage
@@ -55,6 +56,7 @@ from .marker import (
     metadata_digest,
     save_id_of,
 )
+from .merge import Merged, merge_ranks, third_form
 
 
 # -------------------------------------------------------------------- commit
@@ -110,31 +112,13 @@ def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None =
     gen = root.child(generation)
     lock = take_lock(root, gen, sid, force=force, lease=lock_lease)
     try:
-        if manifests is None:
-            try:
-                manifests = read_manifests(gen, sid, ranks, form)
-            except UncommittedCheckpointError:
-                check_not_collected(root, generation)  # say why they are gone, if gc removed them
-                raise
-        metas, leaves = merge_manifests(gen.url, manifests, known=known)
-        located = merge_packed(gen.url, manifests, metas)
-        if located is not None:
-            check_reused(root, generation, located)
-        refs_digest = locations = None
-        if located is None:
-            raw = write_metadata(gen, metas, leaves)
+        merged = None
+        if manifests is None and ranks and form in ("packed", None) and third_form(gen, min(ranks)):
+            merged = merge_ranks(gen, sid, ranks, known)  # rank trailers of the third form: streamed
+        if merged is not None:
+            marker = _commit_merged(root, gen, generation, sid, merged)
         else:
-            docs, raw = metadata_documents(metas, leaves)
-            refs = build_references({"zarr.json": raw, **docs}, located)
-            gen.write(REFS_KEY, refs)
-            gen.write(PACKED_ROOT_KEY, raw)  # what open reads: O(tensors) bytes, not the O(tensors x ranks) refs
-            refs_digest = metadata_digest(refs)
-            # ranks' own writes (trailers) record their shards in their manifests; block writers' may not
-            locations = "ranks" if all("tensors_sha256" in m for m in manifests.values()) else "references"
-        marker = Marker(format_version=FORMAT_VERSION, generation=generation, save_id=sid, time=time.time(),
-                        tensors=len(metas), ranks=sorted(manifests), metadata_sha256=metadata_digest(raw),
-                        form="directory" if located is None else "packed", references_sha256=refs_digest,
-                        locations=locations, **summary_seal(raw))
+            marker = _commit_manifests(root, gen, generation, sid, ranks, form, manifests, known)
         check_not_collected(root, generation)  # holding the lock: gc marks first, then looks for a lock
         root.write_atomic(COMMIT_KEY, marker.to_json())
     except BaseException:
@@ -144,6 +128,52 @@ def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None =
     with contextlib.suppress(Exception):  # a live lock means a commit in progress to gc: this one is done
         gen.write(LOCK_KEY, json.dumps({**json.loads(lock), "done": True}).encode())
     return marker
+
+
+def _commit_merged(root: Storage, gen: Storage, generation: str, sid: str, merged: Merged) -> Marker:
+    """Write the metadata and references of a merged third-form save; the marker to write."""
+    check_reused(root, generation, merged.objects)
+    docs, raw = metadata_documents(merged.metas, merged.leaves)
+    metas = list(merged.metas.values())
+    chunks = references_stream({"zarr.json": raw, **docs}, [m.path for m in metas], [m.grid for m in metas],
+                               merged.objects, merged.obj, merged.off, merged.length)
+    refs_digest = gen.write_stream(REFS_KEY, chunks)
+    gen.write(PACKED_ROOT_KEY, raw)  # what open reads: O(tensors) bytes, not the O(tensors x ranks) refs
+    return Marker(format_version=FORMAT_VERSION, generation=generation, save_id=sid, time=time.time(),
+                  tensors=len(merged.metas), ranks=merged.ranks,
+                  metadata_sha256=metadata_digest(raw),
+                  form="packed", references_sha256=refs_digest, locations="ranks", **summary_seal(raw))
+
+
+def _commit_manifests(root: Storage, gen: Storage, generation: str, sid: str, ranks: list[int] | None,
+                      form: str | None, manifests: dict[int, dict[str, Any]] | None,
+                      known: Mapping[str, tuple[dict[str, Any], ArrayMeta]] | None) -> Marker:
+    """Write the metadata (and references) of a save from its ranks' whole manifests; the marker to write."""
+    if manifests is None:
+        try:
+            manifests = read_manifests(gen, sid, ranks, form)
+        except UncommittedCheckpointError:
+            check_not_collected(root, generation)  # say why they are gone, if gc removed them
+            raise
+    metas, leaves = merge_manifests(gen.url, manifests, known=known)
+    located = merge_packed(gen.url, manifests, metas)
+    if located is not None:
+        check_reused(root, generation, objects_of(located))
+    refs_digest = locations = None
+    if located is None:
+        raw = write_metadata(gen, metas, leaves)
+    else:
+        docs, raw = metadata_documents(metas, leaves)
+        refs = build_references({"zarr.json": raw, **docs}, located)
+        gen.write(REFS_KEY, refs)
+        gen.write(PACKED_ROOT_KEY, raw)  # what open reads: O(tensors) bytes, not the O(tensors x ranks) refs
+        refs_digest = metadata_digest(refs)
+        # ranks' own writes (trailers) record their shards in their manifests; block writers' may not
+        locations = "ranks" if all("tensors_sha256" in m or "groups" in m for m in manifests.values()) else "references"
+    return Marker(format_version=FORMAT_VERSION, generation=generation, save_id=sid, time=time.time(),
+                  tensors=len(metas), ranks=sorted(manifests), metadata_sha256=metadata_digest(raw),
+                  form="directory" if located is None else "packed", references_sha256=refs_digest,
+                  locations=locations, **summary_seal(raw))
 
 
 def write_metadata(gen: Storage, metas: dict[str, ArrayMeta], leaves: dict[str, Any]) -> bytes:
@@ -162,7 +192,7 @@ def metadata_documents(metas: dict[str, ArrayMeta], leaves: dict[str, Any]) -> t
     return {f"{path}/zarr.json": text.encode() for path, text in docs.items()}, root_document(metas, docs, leaves)
 
 
-def check_reused(root: Storage, generation: str, located: dict[str, tuple[str, int, int]]) -> None:
+def check_reused(root: Storage, generation: str, objects: Iterable[str]) -> None:
     """Check that the objects an incremental save reuses (outside its own generation) are still there.
 
     Raises
@@ -170,7 +200,7 @@ def check_reused(root: Storage, generation: str, located: dict[str, tuple[str, i
     CheckpointNotFoundError
         If one is gone (its save was deleted by retention or ``gc`` meanwhile).
     """
-    reused = sorted(obj for obj in objects_of(located) if not obj.startswith(f"{generation}/"))
+    reused = sorted(obj for obj in set(objects) if not obj.startswith(f"{generation}/"))
     found = pool.run_all([functools.partial(root.has, obj) for obj in reused], root.local)  # GETs, no listing
     gone = [obj for obj, there in zip(reused, found, strict=True) if not there]
     if gone:

@@ -269,6 +269,9 @@ def check_manifest(doc: Any, where: str) -> dict[str, Any]:
     leaves = get(doc, "leaves", where)
     if not isinstance(leaves, dict):
         raise _fail(where, "leaves", "an object", leaves)
+    if "groups" in doc and "tensors" not in doc:  # a third-form trailer's (reshard.store.format.table)
+        _check_groups(doc, where)
+        return doc
     if "tensors_sha256" in doc and "tensors" not in doc:
         sha = doc["tensors_sha256"]
         if not isinstance(sha, str) or not _HEX64.fullmatch(sha):
@@ -276,6 +279,22 @@ def check_manifest(doc: Any, where: str) -> dict[str, Any]:
         return doc
     check_tensors(get(doc, "tensors", where), where)
     return doc
+
+
+def _check_groups(doc: dict[str, Any], where: str) -> None:
+    """``groups`` (``[[sha256, carrier rank, tensors], ...]``), ``carried`` (``[[sha256, length], ...]``) and
+    ``table_sha256`` of a third-form trailer's manifest."""
+    groups, carried, table = doc["groups"], doc.get("carried", []), doc.get("table_sha256")
+    if type(groups) is not list or not all(
+            type(g) is list and len(g) == 3 and isinstance(g[0], str) and _HEX64.fullmatch(g[0])
+            and is_int(g[1]) and g[1] >= 0 and is_int(g[2]) and g[2] >= 0 for g in groups):
+        raise _fail(where, "groups", "a list of [sha256, carrier rank, tensors]", groups)
+    if type(carried) is not list or not all(
+            type(c) is list and len(c) == 2 and isinstance(c[0], str) and _HEX64.fullmatch(c[0])
+            and is_int(c[1]) and c[1] >= 0 for c in carried):
+        raise _fail(where, "carried", "a list of [sha256, length]", carried)
+    if not isinstance(table, str) or not _HEX64.fullmatch(table):
+        raise _fail(where, "table_sha256", "a sha256 hex digest", table)
 
 
 def check_tensors(tensors: Any, where: str) -> dict[str, Any]:
