@@ -177,22 +177,32 @@ def collect(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
 
 
 def trailer_sizes(url: str, rank: int) -> dict[str, int]:
-    """A rank's trailer bytes (records + manifest + footer) and the JSON of its shard locations alone."""
+    """A rank's trailer bytes (records it carries + shard table + manifest + footer), the records alone, and
+    its shard locations in the keyed JSON form (``{key: [object, offset, length]}``) for scale."""
     marker = json.loads(Path(url, ".reshard", "commit.json").read_text())
     path = Path(url, marker["generation"], "packed", f"{rank}.bin")
     with open(path, "rb") as f:
-        f.seek(-24, os.SEEK_END)
-        foot = f.read(24)
-        magic = foot[-8:]
-        if magic == b"RSHDMAN1":
-            records, manifest, footer = 0, int.from_bytes(foot[8:16], "little"), 16
+        f.seek(-32, os.SEEK_END)
+        foot = f.read(32)
+        magic, table = foot[-8:], 0
+        if magic == b"RSHDMAN3":
+            records, table, manifest = (int.from_bytes(foot[i : i + 8], "little") for i in (0, 8, 16))
+            footer = 32
+        elif magic == b"RSHDMAN2":
+            records, manifest, footer = int.from_bytes(foot[8:16], "little"), int.from_bytes(foot[16:24], "little"), 24
         else:
-            records, manifest = int.from_bytes(foot[:8], "little"), int.from_bytes(foot[8:16], "little")
-            footer = 24
-        f.seek(-(footer + manifest), os.SEEK_END)
+            records, manifest, footer = 0, int.from_bytes(foot[16:24], "little"), 16
+        f.seek(-(footer + manifest + table), os.SEEK_END)
+        raw_table = f.read(table)
         doc = json.loads(f.read(manifest))
-    locations = len(json.dumps(doc.get("packed", {}), separators=(",", ":")))
-    return {"trailer": records + manifest + footer, "locations": locations, "records": records}
+    if table:
+        from reshard.store.format.table import Table
+
+        located = Table(str(path), raw_table).expand()[0]
+    else:
+        located = doc.get("packed", {})
+    locations = len(json.dumps(located, separators=(",", ":")))
+    return {"trailer": records + table + manifest + footer, "locations": locations, "records": records}
 
 
 def du(path: Path) -> int:

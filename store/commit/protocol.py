@@ -30,6 +30,7 @@ from reshard.layouts.errors import (
     UncommittedCheckpointError,
 )
 
+from ..format import parquet
 from ..format.consolidated import PACKED_ROOT_KEY, ROOT_KEY, root_document, summary_seal
 from ..format.manifests import merge_manifests, merge_packed, read_manifests
 from ..format.meta import (
@@ -138,11 +139,25 @@ def _commit_merged(root: Storage, gen: Storage, generation: str, sid: str, merge
     chunks = references_stream({"zarr.json": raw, **docs}, [m.path for m in metas], [m.grid for m in metas],
                                merged.objects, merged.obj, merged.off, merged.length)
     refs_digest = gen.write_stream(REFS_KEY, chunks)
+    if parquet.available() and not any(o.startswith("../") for o in merged.objects):
+        write_parquet(gen, raw, metas, merged)
     gen.write(PACKED_ROOT_KEY, raw)  # what open reads: O(tensors) bytes, not the O(tensors x ranks) refs
     return Marker(format_version=FORMAT_VERSION, generation=generation, save_id=sid, time=time.time(),
                   tensors=len(merged.metas), ranks=merged.ranks,
                   metadata_sha256=metadata_digest(raw),
                   form="packed", references_sha256=refs_digest, locations="ranks", **summary_seal(raw))
+
+
+def write_parquet(gen: Storage, raw: bytes, metas: list[ArrayMeta], merged: Merged) -> None:
+    """The save's parquet references (:mod:`reshard.store.format.parquet`): a file per tensor, ``.zmetadata`` last."""
+    paths, grids = [m.path for m in metas], [m.grid for m in metas]
+
+    def one(key: str, args: tuple[Any, ...]) -> None:
+        gen.write(f"{parquet.PARQUET_KEY}/{key}", parquet.encode(*args))
+
+    jobs = parquet.files(paths, grids, merged.objects, merged.obj, merged.off, merged.length)
+    pool.run_all([functools.partial(one, key, args) for key, args in jobs], gen.local)
+    gen.write(f"{parquet.PARQUET_KEY}/.zmetadata", parquet.metadata(raw, paths, grids))
 
 
 def _commit_manifests(root: Storage, gen: Storage, generation: str, sid: str, ranks: list[int] | None,

@@ -1,0 +1,80 @@
+"""Parquet references (issue 26): plain zarr-python + fsspec read a packed save a tensor at a time.
+
+With pyarrow installed (``reshard[parquet]``) the commit writes ``refs.parq/`` beside
+``refs.json``: fsspec's lazy references, one parquet file per tensor. These tests
+read them with no reshard code (a subprocess that never imports it), through the
+recipe of docs/format.md, with either parquet engine, and check the JSON recipe
+reads the same values.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pyarrow")
+pytest.importorskip("pandas")
+
+from tests.test_trailer import save  # noqa: E402
+
+RECIPE = textwrap.dedent('''
+    import json, sys
+    import fsspec, numpy as np, zarr
+    from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
+    from fsspec.implementations.reference import LazyReferenceMapper
+
+    url, engine, form = sys.argv[1:4]
+    with fsspec.open(f"{url}/.reshard/commit.json", "rb") as f:
+        gen = json.load(f)["generation"]
+    if form == "parquet":
+        fo = f"{url}/{gen}/refs.parq"
+        if engine == "pyarrow":  # fsspec's own default engine is fastparquet
+            fo = LazyReferenceMapper(fo, fs=fsspec.filesystem("file"), engine="pyarrow")
+        objects = AsyncFileSystemWrapper(fsspec.filesystem("dir", path=url), asynchronous=True)
+        options = {"fo": fo, "fs": objects}
+    else:
+        options = {"fo": f"{url}/{gen}/refs.json", "template_overrides": {"root": url}}
+    store = zarr.storage.FsspecStore.from_url("reference://", read_only=True, storage_options=options)
+    group = zarr.open_group(store, mode="r")
+    out = {name: group[name][...].tolist() for name in ("all/t3", "all/bias", "stage/t1")}
+    assert "reshard" not in sys.modules
+    print(json.dumps(out))
+''')
+
+
+def plain(url: str, engine: str, form: str) -> dict[str, np.ndarray]:
+    done = subprocess.run([sys.executable, "-c", RECIPE, url, engine, form], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {k: np.asarray(v, dtype=np.float32) for k, v in json.loads(done.stdout).items()}
+
+
+@pytest.mark.parametrize("engine", ["fastparquet", "pyarrow"])
+def test_plain_zarr_reads_parquet_references(tmp_path, engine):
+    pytest.importorskip(engine)
+    url = str(tmp_path / "ck")
+    full, _ = save(url)
+    parq = tmp_path / "ck" / "gen-0" / "refs.parq"
+    assert (parq / ".zmetadata").is_file() and (parq / "all" / "t3" / "refs.0.parq").is_file()
+    moved = tmp_path / "moved"
+    (tmp_path / "ck").rename(moved)  # object keys under the root: a moved checkpoint still reads
+    got = plain(str(moved), engine, "parquet")
+    for name, arr in got.items():
+        np.testing.assert_array_equal(arr, full[name.replace("/", ".")])
+    assert got.keys() == plain(str(moved), engine, "json").keys()
+
+
+def test_parquet_documents_are_small_and_name_v2_chunk_keys(tmp_path):
+    url = str(tmp_path / "ck")
+    save(url)
+    meta = json.loads((tmp_path / "ck" / "gen-0" / "refs.parq" / ".zmetadata").read_bytes())
+    arrays = meta["metadata"]["zarr.json"]["consolidated_metadata"]["metadata"]
+    assert all(a["chunk_key_encoding"]["name"] == "v2" for a in arrays.values() if a["node_type"] == "array")
+    assert meta["metadata"]["all/t3/.zarray"] == {"shape": [4, 1], "chunks": [1, 1]}
+    refs = (tmp_path / "ck" / "gen-0" / "refs.json").stat().st_size
+    assert (tmp_path / "ck" / "gen-0" / "refs.parq" / ".zmetadata").stat().st_size < refs
