@@ -377,20 +377,72 @@ def _check_references(gen: Storage, manifests: dict[int, dict[str, Any]], metas:
 
 def _check_data(ckpt: Checkpoint, report: VerifyReport, progress: Callable[[int], None] | None) -> None:
     ckpt.fetcher.read_indexes = True  # every shard's index too, not only its chunks
-    for name, meta in ckpt.arrays.items():
+    batch: list[ArrayMeta] = []
+    held = 0
+    for meta in ckpt.arrays.values():
+        if meta.nbytes >= SLAB_BYTES:
+            _check_tensors(ckpt, [meta], report, progress)
+            continue
+        if batch and (held + meta.nbytes > SLAB_BYTES or len(batch) >= BATCH_TENSORS):
+            _check_tensors(ckpt, batch, report, progress)
+            batch, held = [], 0
+        batch.append(meta)
+        held += meta.nbytes
+    if batch:
+        _check_tensors(ckpt, batch, report, progress)
+
+
+#: Small tensors read and checked in one request batch (thousands of tiny tensors: one call each cost more
+#: than their bytes).
+BATCH_TENSORS = 256
+
+
+def _check_tensors(ckpt: Checkpoint, metas: list[ArrayMeta], report: VerifyReport,
+                   progress: Callable[[int], None] | None) -> None:
+    """Read and check tensors: small ones together (each whole), a large one in slabs; a batch that fails is
+    checked again tensor by tensor, so that each problem names its tensor. The shard indexes read are
+    dropped after: memory stays that of a batch, not of every shard."""
+    try:
+        _check_batch(ckpt, metas, report, progress)
+    finally:
+        ckpt.fetcher.indexes.clear()
+
+
+def _check_batch(ckpt: Checkpoint, metas: list[ArrayMeta], report: VerifyReport,
+                 progress: Callable[[int], None] | None) -> None:
+    if len(metas) > 1:
         try:
-            for region in _slabs(meta):
-                dest = np.empty(tuple(r.stop - r.start for r in region), dtype=meta.np_dtype)
-                ckpt.read_regions([(meta, region, dest)])
-                if progress is not None:
-                    progress(dest.nbytes)
-            report.bytes_checked += meta.nbytes
-            report.chunks_checked += math.prod(-(-n // c) for n, c in zip(meta.shape, meta.chunk, strict=True))
-        except ChecksumError as e:
-            report.add("checksum", f"tensor {name!r}", e)
-        except (ReshardError, OSError) as e:
-            kind = "replaced" if type(e).__name__ == "CheckpointReplacedError" else "shard"
-            report.add(kind, f"tensor {name!r}", e)
+            dests = [(meta, tuple(slice(0, n) for n in meta.shape), np.empty(meta.shape, dtype=meta.np_dtype))
+                     for meta in metas]
+            ckpt.read_regions(dests)
+        except (ReshardError, OSError):
+            for meta in metas:
+                _check_tensors(ckpt, [meta], report, progress)
+            return
+        for meta, _, dest in dests:
+            if progress is not None:
+                progress(dest.nbytes)
+            _checked(report, meta)
+        return
+    meta = metas[0]
+    name = meta.name
+    try:
+        for region in _slabs(meta):
+            dest = np.empty(tuple(r.stop - r.start for r in region), dtype=meta.np_dtype)
+            ckpt.read_regions([(meta, region, dest)])
+            if progress is not None:
+                progress(dest.nbytes)
+        _checked(report, meta)
+    except ChecksumError as e:
+        report.add("checksum", f"tensor {name!r}", e)
+    except (ReshardError, OSError) as e:
+        kind = "replaced" if type(e).__name__ == "CheckpointReplacedError" else "shard"
+        report.add(kind, f"tensor {name!r}", e)
+
+
+def _checked(report: VerifyReport, meta: ArrayMeta) -> None:
+    report.bytes_checked += meta.nbytes
+    report.chunks_checked += math.prod(-(-n // c) for n, c in zip(meta.shape, meta.chunk, strict=True))
 
 
 def _slabs(meta: ArrayMeta) -> list[tuple[slice, ...]]:
