@@ -130,9 +130,11 @@ def step_zarr(url: str, n: int, t: int) -> dict[str, Any]:
     fsspec.implementations.local.LocalFileOpener.read = counting  # type: ignore[method-assign]
     t0 = time.perf_counter()
     parquet = Path(url, gen, "refs.parq")
-    if parquet.is_dir():
-        opts: dict[str, Any] = {"fo": str(parquet), "remote_protocol": "dir",
-                                "remote_options": {"path": url, "target_protocol": "file"}}
+    if parquet.is_dir():  # docs/format.md's parquet recipe
+        from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
+
+        objects = AsyncFileSystemWrapper(fsspec.filesystem("dir", path=url), asynchronous=True)
+        opts: dict[str, Any] = {"fo": str(parquet), "fs": objects}
     else:
         opts = {"fo": f"{url}/{gen}/refs.json", "template_overrides": {"root": url}}
     store = zarr.storage.FsspecStore.from_url("reference://", read_only=True, storage_options=opts)
