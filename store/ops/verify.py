@@ -378,23 +378,25 @@ def _check_references(gen: Storage, manifests: dict[int, dict[str, Any]], metas:
 def _check_data(ckpt: Checkpoint, report: VerifyReport, progress: Callable[[int], None] | None) -> None:
     ckpt.fetcher.read_indexes = True  # every shard's index too, not only its chunks
     batch: list[ArrayMeta] = []
-    held = 0
+    held = shards = 0
     for meta in ckpt.arrays.values():
-        if meta.nbytes >= SLAB_BYTES:
+        n = math.prod(meta.grid)
+        if meta.nbytes >= SLAB_BYTES or n >= BATCH_SHARDS:
             _check_tensors(ckpt, [meta], report, progress)
             continue
-        if batch and (held + meta.nbytes > SLAB_BYTES or len(batch) >= BATCH_TENSORS):
+        if batch and (held + meta.nbytes > SLAB_BYTES or shards + n > BATCH_SHARDS):
             _check_tensors(ckpt, batch, report, progress)
-            batch, held = [], 0
+            batch, held, shards = [], 0, 0
         batch.append(meta)
         held += meta.nbytes
+        shards += n
     if batch:
         _check_tensors(ckpt, batch, report, progress)
 
 
-#: Small tensors read and checked in one request batch (thousands of tiny tensors: one call each cost more
-#: than their bytes).
-BATCH_TENSORS = 256
+#: Shards of small tensors read and checked in one batch (thousands of tiny tensors: a call each cost more
+#: than their bytes; a read holds a few hundred bytes of plans per shard until it returns).
+BATCH_SHARDS = 4096
 
 
 def _check_tensors(ckpt: Checkpoint, metas: list[ArrayMeta], report: VerifyReport,
