@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("pyarrow")
 pytest.importorskip("pandas")
 
-from tests.test_trailer import save  # noqa: E402
+from tests.test_trailer import save
 
 RECIPE = textwrap.dedent('''
     import json, sys
@@ -86,6 +86,7 @@ def test_the_documented_parquet_recipe_runs_as_pasted(tmp_path):
     import reshard.store as rs
     import zarr
     from reshard.layouts import Layout
+
     from tests.test_docs import DOCS, blocks
 
     url = str(tmp_path / "ck")

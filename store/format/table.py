@@ -60,7 +60,7 @@ def group_of(layout: Layout) -> tuple[str, int]:
     return json.dumps(sorted(ranks), separators=(",", ":")), min(ranks)
 
 
-def group_records(texts: Mapping[str, tuple[str, Layout]]) -> dict[str, tuple[int, list[str]]]:
+def layout_groups(texts: Mapping[str, tuple[str, Layout]]) -> dict[str, tuple[int, list[str]]]:
     """``{group: (carrier, sorted names)}`` of tensors given as ``{name: (record text, layout)}``."""
     groups: dict[str, tuple[int, list[str]]] = {}
     by_layout: dict[int, tuple[str, int]] = {}  # layouts are shared by many tensors: their group computed once
@@ -86,7 +86,7 @@ def rank_trailer(rank: int, manifest: dict[str, Any], texts: Mapping[str, tuple[
 
     groups, carried, records = [], [], []
     docs = []
-    for carrier, names in group_records(texts).values():
+    for carrier, names in layout_groups(texts).values():
         doc = ("{" + ",".join(texts[n][0] for n in names) + "}").encode()
         docs.append((carrier, hashlib.sha256(doc).hexdigest(), len(names), doc))
     for carrier, sha, count, doc in sorted(docs, key=lambda d: d[:2]):  # the order a committer merges them in
