@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from reshard.layouts.errors import FormatError
 
-from ..format.manifests import group_records, merge_manifests, read_head, read_table
+from ..format.manifests import group_records, merge_manifests, present_ranks, read_head, read_table
 from ..format.meta import ArrayMeta
 from ..format.refs import TRAILER_MAGIC, TRAILER_MAGIC_V1, rank_object
 from ..format.table import TRAILER_MAGIC_V3
@@ -73,6 +73,16 @@ def third_form(gen: Storage, rank: int) -> bool | None:
     if tail in (TRAILER_MAGIC, TRAILER_MAGIC_V1):
         return False
     return None
+
+
+def expected_ranks(gen: Storage) -> list[int] | None:
+    """The ranks a save expects, from the first rank found by listing (a commit not told them); None if that
+    rank's trailer is not of the third form."""
+    present = present_ranks(gen)
+    if not present or not third_form(gen, present[0]):
+        return None
+    doc = read_head(gen, present[0])[0]
+    return list(doc["expected_ranks"])
 
 
 def merge_ranks(gen: Storage, save_id: str | None, expected: list[int],

@@ -57,7 +57,7 @@ from .marker import (
     metadata_digest,
     save_id_of,
 )
-from .merge import Merged, merge_ranks, third_form
+from .merge import Merged, expected_ranks, merge_ranks, third_form
 
 
 # -------------------------------------------------------------------- commit
@@ -114,8 +114,10 @@ def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None =
     lock = take_lock(root, gen, sid, force=force, lease=lock_lease)
     try:
         merged = None
-        if manifests is None and ranks and form in ("packed", None) and third_form(gen, min(ranks)):
-            merged = merge_ranks(gen, sid, ranks, known)  # rank trailers of the third form: streamed
+        if manifests is None and form in ("packed", None):
+            expected = ranks if ranks else expected_ranks(gen)
+            if expected and third_form(gen, min(expected)):
+                merged = merge_ranks(gen, sid, expected, known)  # rank trailers of the third form: streamed
         if merged is not None:
             marker = _commit_merged(root, gen, generation, sid, merged)
         else:
