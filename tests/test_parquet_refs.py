@@ -58,7 +58,7 @@ def plain(url: str, engine: str, form: str) -> dict[str, np.ndarray]:
 def test_plain_zarr_reads_parquet_references(tmp_path, engine):
     pytest.importorskip(engine)
     url = str(tmp_path / "ck")
-    full, _ = save(url)
+    full, _ = save(url, parquet=True)  # small saves get refs.json alone unless asked
     parq = tmp_path / "ck" / "gen-0" / "refs.parq"
     assert (parq / ".zmetadata").is_file() and (parq / "all" / "t3" / "refs.0.parq").is_file()
     moved = tmp_path / "moved"
@@ -71,7 +71,7 @@ def test_plain_zarr_reads_parquet_references(tmp_path, engine):
 
 def test_parquet_documents_are_small_and_name_v2_chunk_keys(tmp_path):
     url = str(tmp_path / "ck")
-    save(url)
+    save(url, parquet=True)
     meta = json.loads((tmp_path / "ck" / "gen-0" / "refs.parq" / ".zmetadata").read_bytes())
     arrays = meta["metadata"]["zarr.json"]["consolidated_metadata"]["metadata"]
     assert all(a["chunk_key_encoding"]["name"] == "v2" for a in arrays.values() if a["node_type"] == "array")
@@ -96,8 +96,16 @@ def test_the_documented_parquet_recipe_runs_as_pasted(tmp_path):
     writer = rs.create(url, layouts)
     for r in range(2):
         writer.write(r, {n: a[layouts[n].region(r)] for n, a in full.items()})
-    writer.commit()
+    writer.commit(parquet=True)
     block = next(b for b in blocks((DOCS / "format.md").read_text()) if "refs.parq" in b.code)
     scope = {"zarr": zarr, "url": url, "gen": "gen-0"}
     exec(compile("\n" * (block.line - 1) + block.code, str(DOCS / "format.md"), "exec"), scope)
     np.testing.assert_array_equal(scope["weight"], full["model.layer0.weight"])
+
+
+def test_small_saves_get_json_references_only_unless_asked(tmp_path):
+    save(str(tmp_path / "small"))
+    assert (tmp_path / "small" / "gen-0" / "refs.json").is_file()
+    assert not (tmp_path / "small" / "gen-0" / "refs.parq").exists()
+    save(str(tmp_path / "off"), parquet=False)
+    assert not (tmp_path / "off" / "gen-0" / "refs.parq").exists()

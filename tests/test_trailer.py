@@ -44,13 +44,13 @@ def state() -> tuple[dict[str, np.ndarray], dict[str, Layout]]:
     return full, layouts
 
 
-def save(url: str, commit: bool = True) -> tuple[dict[str, np.ndarray], dict[str, Layout]]:
+def save(url: str, commit: bool = True, **options: object) -> tuple[dict[str, np.ndarray], dict[str, Layout]]:
     full, layouts = state()
     writer = rs.create(url, layouts, durable=False)
     for r in range(RANKS):
         writer.write(r, {n: a[layouts[n].region(r)] for n, a in full.items() if r in layouts[n].ranks})
     if commit:
-        writer.commit()
+        writer.commit(**options)
     return full, layouts
 
 
@@ -152,8 +152,8 @@ def test_a_damaged_shard_table_is_refused(tmp_path):
     obj = tmp_path / "ck" / "gen-0" / "packed" / "3.bin"
     p = parts(obj)
     raw = obj.read_bytes()
-    at = len(p["body"]) + len(p["records"]) + p["table"].index(b'"offset":[') + 10
-    obj.write_bytes(raw[:at] + b"9" + raw[at + 1 :])
+    at = len(p["body"]) + len(p["records"]) + p["table"].index(b'"offset":"') + 10
+    obj.write_bytes(raw[:at] + (b"B" if raw[at : at + 1] == b"A" else b"A") + raw[at + 1 :])
     with pytest.raises(rs.FormatError, match=r"packed/3\.bin: its shard table does not match"):
         rs.commit(url, ranks=list(range(RANKS)))
 

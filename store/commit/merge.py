@@ -32,7 +32,7 @@ from reshard.layouts.errors import FormatError
 from ..format.manifests import group_records, merge_manifests, present_ranks, read_head, read_table
 from ..format.meta import ArrayMeta
 from ..format.refs import TRAILER_MAGIC, TRAILER_MAGIC_V1, rank_object
-from ..format.table import TRAILER_MAGIC_V3
+from ..format.table import TRAILER_MAGIC_V3, Table
 from ..io import pool
 from ..io.storage import Storage
 
@@ -165,12 +165,7 @@ def _locations(gen: Storage, heads: dict[int, tuple[dict[str, Any], tuple[int, i
     def place(r: int) -> None:
         doc, parts = heads[r]
         table = read_table(gen, r, doc, b"", parts)
-        t_gid = np.asarray([gid.get(n, -1) for n in table.names] or [0], dtype=np.int64)
-        for t, name in enumerate(table.names):
-            g = t_gid[t]
-            if g >= 0 and tuple(table.grids[t]) != tuple(grids[g]):
-                raise FormatError(f"{table.where}: its shard table gives tensor {name!r} a grid of "
-                                  f"{list(table.grids[t])} shards, its records {list(grids[g])}")
+        t_gid = _tensor_ids(table)
         with lock:
             o_ids = np.asarray([objects.setdefault(o, len(objects)) for o in table.objects] or [0], dtype=np.int32)
         if not table.size:
@@ -181,6 +176,24 @@ def _locations(gen: Storage, heads: dict[int, tuple[dict[str, Any], tuple[int, i
         obj[pos] = o_ids[table.object[keep]]
         off[pos] = table.offset[keep]
         length[pos] = table.length[keep]
+
+    seen: list[tuple[list[str], list[tuple[int, ...]], np.ndarray, np.ndarray]] = []  # the last rank's mapping
+
+    def _tensor_ids(table: Table) -> np.ndarray:
+        """Each table tensor's position in the merge (-1: not committed), its grid checked against the records.
+        Ranks of a save mostly list the same tensors: the last mapping is reused when the lists are equal."""
+        if seen and seen[-1][0] == table.names and seen[-1][1] == table.grid_shapes and \
+                np.array_equal(seen[-1][2], table.grid):
+            return seen[-1][3]
+        ids = np.asarray([gid.get(n, -1) for n in table.names] or [0], dtype=np.int64)
+        shapes = table.grid_shapes
+        for t, g in enumerate(table.grid.tolist()):
+            i = ids[t]
+            if i >= 0 and shapes[g] != tuple(grids[i]):
+                raise FormatError(f"{table.where}: its shard table gives tensor {table.names[t]!r} a grid of "
+                                  f"{list(shapes[g])} shards, its records {list(grids[i])}")
+        seen[:] = [(table.names, shapes, table.grid, ids)]
+        return ids
 
     pool.run_all([functools.partial(place, r) for r in sorted(heads)], gen.local)
     missing = np.flatnonzero(obj < 0)

@@ -30,7 +30,7 @@ from reshard.layouts.errors import (
     UncommittedCheckpointError,
 )
 
-from ..format import parquet
+from ..format import parquet as references_parquet
 from ..format.consolidated import PACKED_ROOT_KEY, ROOT_KEY, root_document, summary_seal
 from ..format.manifests import merge_manifests, merge_packed, read_manifests
 from ..format.meta import (
@@ -65,7 +65,8 @@ from .merge import Merged, expected_ranks, merge_ranks, third_form
 def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None = None,
            storage_options: dict[str, Any] | None = None, force: bool = False,
            lock_lease: float = DEFAULT_LOCK_LEASE, manifests: dict[int, dict[str, Any]] | None = None,
-           form: str | None = None, known: Mapping[str, tuple[dict[str, Any], ArrayMeta]] | None = None) -> Marker:
+           form: str | None = None, known: Mapping[str, tuple[dict[str, Any], ArrayMeta]] | None = None,
+           parquet: bool | None = None) -> Marker:
     """Commit a save once every rank has written.
 
     Parameters
@@ -93,6 +94,10 @@ def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None =
     known : mapping, optional
         ``{name: (manifest record, array record)}`` the caller wrote itself:
         a manifest record equal to one of these is not parsed again.
+    parquet : bool, optional
+        Write parquet references beside ``refs.json`` (:mod:`reshard.store.format.parquet`; saves by
+        ranks, packed). None (default): when pyarrow is installed and the save has at least
+        :data:`~reshard.store.format.parquet.MIN_SHARDS` shards (where ``refs.json`` passes ~10 MB).
 
     Returns
     -------
@@ -107,6 +112,8 @@ def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None =
     CommitConflictError
         If another live process holds the commit lock, or the save is committed already.
     """
+    if parquet and not references_parquet.available():
+        raise ValueError("parquet=True needs pyarrow and pandas: pip install 'reshard[parquet]'")
     root = url if isinstance(url, Storage) else Storage(url, storage_options)
     sid = save_id_of(save_id)
     generation = generation_of(sid)
@@ -119,7 +126,7 @@ def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None =
             if expected and third_form(gen, min(expected)):
                 merged = merge_ranks(gen, sid, expected, known)  # rank trailers of the third form: streamed
         if merged is not None:
-            marker = _commit_merged(root, gen, generation, sid, merged)
+            marker = _commit_merged(root, gen, generation, sid, merged, parquet)
         else:
             marker = _commit_manifests(root, gen, generation, sid, ranks, form, manifests, known)
         check_not_collected(root, generation)  # holding the lock: gc marks first, then looks for a lock
@@ -133,7 +140,8 @@ def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None =
     return marker
 
 
-def _commit_merged(root: Storage, gen: Storage, generation: str, sid: str, merged: Merged) -> Marker:
+def _commit_merged(root: Storage, gen: Storage, generation: str, sid: str, merged: Merged,
+                   parquet: bool | None) -> Marker:
     """Write the metadata and references of a merged third-form save; the marker to write."""
     check_reused(root, generation, merged.objects)
     docs, raw = metadata_documents(merged.metas, merged.leaves)
@@ -141,7 +149,9 @@ def _commit_merged(root: Storage, gen: Storage, generation: str, sid: str, merge
     chunks = references_stream({"zarr.json": raw, **docs}, [m.path for m in metas], [m.grid for m in metas],
                                merged.objects, merged.obj, merged.off, merged.length)
     refs_digest = gen.write_stream(REFS_KEY, chunks)
-    if parquet.available() and not any(o.startswith("../") for o in merged.objects):
+    if parquet is None:
+        parquet = merged.shards() >= references_parquet.MIN_SHARDS and references_parquet.available()
+    if parquet and not any(o.startswith("../") for o in merged.objects):
         write_parquet(gen, raw, metas, merged)
     gen.write(PACKED_ROOT_KEY, raw)  # what open reads: O(tensors) bytes, not the O(tensors x ranks) refs
     return Marker(format_version=FORMAT_VERSION, generation=generation, save_id=sid, time=time.time(),
@@ -155,11 +165,11 @@ def write_parquet(gen: Storage, raw: bytes, metas: list[ArrayMeta], merged: Merg
     paths, grids = [m.path for m in metas], [m.grid for m in metas]
 
     def one(key: str, args: tuple[Any, ...]) -> None:
-        gen.write(f"{parquet.PARQUET_KEY}/{key}", parquet.encode(*args))
+        gen.write(f"{references_parquet.PARQUET_KEY}/{key}", references_parquet.encode(*args))
 
-    jobs = parquet.files(paths, grids, merged.objects, merged.obj, merged.off, merged.length)
+    jobs = references_parquet.files(paths, grids, merged.objects, merged.obj, merged.off, merged.length)
     pool.run_all([functools.partial(one, key, args) for key, args in jobs], gen.local)
-    gen.write(f"{parquet.PARQUET_KEY}/.zmetadata", parquet.metadata(raw, paths, grids))
+    gen.write(f"{references_parquet.PARQUET_KEY}/.zmetadata", references_parquet.metadata(raw, paths, grids))
 
 
 def _commit_manifests(root: Storage, gen: Storage, generation: str, sid: str, ranks: list[int] | None,

@@ -35,6 +35,9 @@ import numpy as np
 
 #: Folder of a packed save's parquet references, relative to its generation.
 PARQUET_KEY = "refs.parq"
+#: Shards from which a commit writes parquet references by default (``refs.json`` is then ~10 MB or more,
+#: all of which fsspec parses before zarr reads one tensor); fewer: ``refs.json`` alone, unless asked.
+MIN_SHARDS = 1 << 17
 #: Rows of one parquet file: every shard of a tensor in one file (up to this many shards).
 RECORD_SIZE = 1 << 17
 #: zarr v3's chunk key encoding fsspec's lazy references can look keys up by.

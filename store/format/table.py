@@ -33,6 +33,7 @@ locations reads their tables. Pure functions: no I/O here.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import math
@@ -49,6 +50,7 @@ from .refs import TRAILER_BYTES_V3, TRAILER_MAGIC_V3, is_object_key
 #: The hash kind every table records (:data:`reshard.store.write.incremental.HASH`).
 HASH_KIND = "xxh3_128v"
 _HASH_DIGITS = 32
+_HASH_BYTES = 16
 _COLUMNS = ("tensor", "index", "object", "offset", "length")
 
 
@@ -108,10 +110,11 @@ def shard_table(shards: Sequence[tuple[ArrayMeta, tuple[int, ...]]], located: Ma
     A shard without a location (none was written or reused) is left out.
     """
     names: dict[str, int] = {}
-    grids: list[list[int]] = []
+    grid_of: list[int] = []
+    grids: dict[tuple[int, ...], int] = {}
     objects: dict[str, int] = {}
     cols: dict[str, list[int]] = {c: [] for c in _COLUMNS}
-    digits: list[str] = []
+    digests: list[bytes] = []
     for meta, idx in shards:
         key = meta.shard_key(idx)
         loc = located.get(key)
@@ -120,7 +123,7 @@ def shard_table(shards: Sequence[tuple[ArrayMeta, tuple[int, ...]]], located: Ma
         t = names.get(meta.name)
         if t is None:
             t = names[meta.name] = len(names)
-            grids.append(list(meta.grid))
+            grid_of.append(grids.setdefault(tuple(meta.grid), len(grids)))
         sha = hashes[key]
         kind, _, hexd = sha.partition(":")
         if kind != HASH_KIND or len(hexd) != _HASH_DIGITS:
@@ -130,10 +133,32 @@ def shard_table(shards: Sequence[tuple[ArrayMeta, tuple[int, ...]]], located: Ma
         cols["object"].append(objects.setdefault(str(loc[0]), len(objects)))
         cols["offset"].append(int(loc[1]))
         cols["length"].append(int(loc[2]))
-        digits.append(hexd)
-    doc = {"objects": list(objects), "tensors": list(names), "grids": grids, **cols, "hash": HASH_KIND,
-           "hashes": "".join(digits)}
+        digests.append(bytes.fromhex(hexd))
+    doc = {"objects": list(objects), "tensors": list(names), "grids": [list(g) for g in grids],
+           "grid": _pack(grid_of, "grid"), **{c: _pack(v, c) for c, v in cols.items()}, "hash": HASH_KIND,
+           "hashes": base64.b64encode(b"".join(digests)).decode()}
     return json.dumps(doc, separators=(",", ":")).encode()
+
+
+#: The numbers of a table, each column little-endian of this type, base64 in a JSON string: 4096 ranks' tables
+#: of 10,000 shards parse in seconds where JSON lists of ints took a minute.
+_TYPES = {"grid": "<i4", "tensor": "<i4", "index": "<i8", "object": "<i4", "offset": "<i8", "length": "<i8"}
+
+
+def _pack(values: Sequence[int], column: str) -> str:
+    return base64.b64encode(np.asarray(values, dtype=_TYPES[column]).tobytes()).decode()
+
+
+def _unpack(where: str, doc: dict[str, Any], column: str) -> np.ndarray:
+    text = doc.get(column)
+    dtype = np.dtype(_TYPES[column])
+    try:
+        raw = base64.b64decode(text, validate=True) if isinstance(text, str) else None
+    except ValueError:
+        raw = None
+    if raw is None or len(raw) % dtype.itemsize:
+        raise FormatError(f"{where}: malformed shard table (column {column!r})")
+    return np.frombuffer(raw, dtype=dtype).astype(np.int64)
 
 
 def _ravel(idx: tuple[int, ...], grid: tuple[int, ...]) -> int:
@@ -163,41 +188,47 @@ class Table:
         self.where = where
         objects, names, grids = doc.get("objects"), doc.get("tensors"), doc.get("grids")
         if (type(objects) is not list or not all(isinstance(o, str) and is_object_key(o) for o in objects)
-                or type(names) is not list or not all(isinstance(n, str) for n in names)
-                or type(grids) is not list or len(grids) != len(names)
+                or type(names) is not list or not _strings(names) or type(grids) is not list
                 or not all(type(g) is list and all(type(n) is int and n >= 1 for n in g) for g in grids)):
             raise FormatError(f"{where}: malformed shard table (objects, tensors or grids)")
         self.objects: list[str] = objects
         self.names: list[str] = names
-        self.grids: list[tuple[int, ...]] = [tuple(g) for g in grids]
-        n = None
-        cols: dict[str, np.ndarray] = {}
-        for c in _COLUMNS:
-            v = doc.get(c)
-            if type(v) is not list or (n is not None and len(v) != n):
-                raise FormatError(f"{where}: malformed shard table (column {c!r})")
-            n = len(v)
-            arr = np.asarray(v) if v else np.zeros(0, np.int64)
-            if arr.ndim != 1 or arr.dtype.kind != "i":  # floats, strings, nested lists, ints past int64
-                raise FormatError(f"{where}: shard table column {c!r} holds something other than ints")
-            cols[c] = arr
-        self.size = n or 0
-        sizes = np.asarray([math.prod(g) for g in self.grids] or [0], dtype=np.int64)
+        grid = _unpack(where, doc, "grid")
+        if grid.size != len(names) or (grid.size and (grid.min() < 0 or grid.max() >= len(grids))):
+            raise FormatError(f"{where}: malformed shard table (grid)")
+        self.grid_shapes: list[tuple[int, ...]] = [tuple(g) for g in grids]
+        self.grid = grid
+        cols = {c: _unpack(where, doc, c) for c in _COLUMNS}
+        n = cols["tensor"].size
+        if any(v.size != n for v in cols.values()):
+            raise FormatError(f"{where}: malformed shard table (columns of different lengths)")
+        self.size = n
+        sizes = np.asarray([math.prod(g) for g in self.grid_shapes] or [0], dtype=np.int64)[grid] if grid.size \
+            else np.zeros(0, np.int64)
         t, i, o = cols["tensor"], cols["index"], cols["object"]
-        if self.size and (t.min() < 0 or t.max() >= len(names) or o.min() < 0 or o.max() >= len(objects)
-                          or i.min() < 0 or np.any(i >= sizes[t]) or cols["offset"].min() < 0
-                          or cols["length"].min() < 1):
+        if n and (t.min() < 0 or t.max() >= len(names) or o.min() < 0 or o.max() >= len(objects)
+                  or i.min() < 0 or np.any(i >= sizes[t]) or cols["offset"].min() < 0 or cols["length"].min() < 1):
             raise FormatError(f"{where}: the shard table has an index, object, offset or length out of range")
-        hexd = doc.get("hashes")
-        if doc.get("hash") != HASH_KIND or not isinstance(hexd, str) or len(hexd) != _HASH_DIGITS * self.size:
+        text = doc.get("hashes")
+        try:
+            digests = base64.b64decode(text, validate=True) if isinstance(text, str) else b""
+        except ValueError:
+            digests = b""
+        if doc.get("hash") != HASH_KIND or len(digests) != _HASH_BYTES * n:
             raise FormatError(f"{where}: malformed shard table (hashes)")
-        self.hashes = hexd
+        self.digests = digests
         self.tensor, self.index, self.object, self.offset, self.length = (cols[c] for c in _COLUMNS)
+
+    @property
+    def grids(self) -> list[tuple[int, ...]]:
+        """Each tensor's grid (shards per dimension), in the order of ``names``."""
+        return [self.grid_shapes[g] for g in self.grid.tolist()]
 
     def keys(self) -> list[str]:
         """Each shard's key (its tensor's path, ``c``, its grid index), in table order."""
         paths = [tensor_path(n) for n in self.names]
-        return ["/".join([paths[t], "c", *map(str, _unravel(i, self.grids[t]))])
+        grids = self.grids
+        return ["/".join([paths[t], "c", *map(str, _unravel(i, grids[t]))])
                 for t, i in zip(self.tensor.tolist(), self.index.tolist(), strict=True)]
 
     def expand(self) -> tuple[dict[str, list[Any]], dict[str, str]]:
@@ -205,9 +236,23 @@ class Table:
         keys = self.keys()
         packed = {k: [self.objects[o], off, n] for k, o, off, n in
                   zip(keys, self.object.tolist(), self.offset.tolist(), self.length.tolist(), strict=True)}
-        h = self.hashes
+        h = self.digests.hex()
         hashes = {k: f"{HASH_KIND}:{h[j * _HASH_DIGITS:(j + 1) * _HASH_DIGITS]}" for j, k in enumerate(keys)}
         return packed, hashes
+
+
+def _strings(values: list[Any]) -> bool:
+    """Whether every value is a string (checked once per distinct list: every rank of a save lists the same names)."""
+    global _SEEN
+    if values == _SEEN:
+        return True
+    if all(isinstance(v, str) for v in values):
+        _SEEN = values
+        return True
+    return False
+
+
+_SEEN: list[Any] = []
 
 
 def trailer_parts(where: str, tail: bytes) -> tuple[int, int, int, int]:
