@@ -11,15 +11,17 @@ A rank's data object ``packed/<rank>.bin`` ends with its **trailer**
   span one set of ranks; its records are the same bytes on every rank of the
   set, so only the set's lowest rank, its **carrier**, writes them. Every
   other rank names them by sha256. Empty on the ranks that carry nothing.
-* **table**: where each shard this rank wrote (or reuses) lies, as columns of a
-  JSON object: ``tensors`` (names, once each) and their ``grids`` (shards per
-  dimension), then per shard ``tensor`` (index into ``tensors``), ``index``
-  (C-order position in the tensor's grid), ``object`` (index into
-  ``objects``, keys under the checkpoint root), ``offset``, ``length``, and
-  ``hashes``: the shards' 128-bit hashes as one hex string (32 digits each),
-  all of the kind ``hash`` (``"xxh3_128v"``). About 60 bytes a shard where
-  the keyed form (``{key: [object, offset, length]}`` plus ``{key: hash}``)
-  took 170.
+* **table**: where each shard this rank wrote (or reuses) lies: a JSON object with
+  ``objects`` (keys under the checkpoint root), ``tensors`` (names, once each), ``grids``
+  (the distinct grids, shards per dimension) and columns of numbers, each
+  little-endian, base64 in a JSON string: ``grid`` (per tensor, int32: its grid in
+  ``grids``), and per shard ``tensor`` (int32, index into ``tensors``), ``index``
+  (int64, C-order position in the tensor's grid), ``object`` (int32, index into
+  ``objects``), ``offset`` and ``length`` (int64); ``hashes``: the shards' 16-byte
+  hashes back to back, base64, of the kind ``hash`` (``"xxh3_128v"``). About 60 bytes a
+  shard where the keyed form (``{key: [object, offset, length]}`` plus ``{key: hash}``)
+  took 170; 4,096 ranks' tables of 10,000 shards parse in seconds, where JSON lists of
+  ints took ~18 ms a rank.
 * **manifest**: the rank's JSON manifest without tensors: ``groups``
   (``[[records sha256, carrier rank, tensors], ...]``: every group it holds),
   ``carried`` (``[[sha256, length], ...]``: the record documents in its own
