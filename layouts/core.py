@@ -7,20 +7,30 @@ once per distinct layout by :mod:`._table` and cached.
 
 from __future__ import annotations
 
-import bisect
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from . import _table
+from . import _ranks, _table
+from ._geometry import Geometry, geometry
 from ._split import SPLITS, divides
 from .errors import LayoutError, RankError, ShapeMismatchError
 from .records import Block
 
 Explicit = tuple[tuple[int, tuple[int, ...], tuple[int, ...], int], ...]
+
+
+def all_ranks(layouts: Iterable[Layout]) -> set[int]:
+    """Every rank of some layouts, each distinct rank list read once.
+
+    Layouts over one rank list share its tuple, so a model's 10,000 layouts over
+    4,096 ranks cost 10,000 steps and one union, not 40 million.
+    """
+    lists = {id(lay.ranks): lay.ranks for lay in layouts}
+    return set().union(*lists.values())
 
 
 def _ints(value: Any, what: str, minimum: int = 0) -> tuple[int, ...]:
@@ -92,12 +102,12 @@ class Layout:
         put("shape", _ints(self.shape, "shape"))
         put("mesh", _ints(self.mesh, "mesh", minimum=1))
         n = math.prod(self.mesh)
-        if not self.ranks:
-            put("ranks", tuple(range(n)))
-        put("ranks", _ints(self.ranks, "ranks"))
+        ranks = _ranks.run(0, n) if not self.ranks else _ranks.rank_set(self.ranks)  # checked once per list
+        put("ranks", ranks.ranks)
+        put("_rankset", ranks)
         if len(self.ranks) != n:
             raise LayoutError(f"mesh {list(self.mesh)} has {n} positions but {len(self.ranks)} ranks")
-        if len(set(self.ranks)) != n:
+        if not ranks.distinct:
             dup = sorted({r for r in self.ranks if self.ranks.count(r) > 1})
             raise LayoutError(f"ranks {dup} appear more than once in the layout")
         if not self.dims and self.shape:
@@ -142,6 +152,14 @@ class Layout:
         if any(self.dims) or self.opt_shard is not None:
             raise LayoutError("explicit layout cannot also split dims or shard the optimizer")
 
+    def __hash__(self) -> int:
+        """The hash of the compared fields, computed once (the ranks' hash once per rank list)."""
+        found = self.__dict__.get("_hash")
+        if found is None:
+            found = self.__dict__["_hash"] = hash((self.shape, self.mesh, self._rankset.hash, self.dims, self.split,
+                                                   self.nested, self.opt_shard, self.explicit))
+        return found
+
     def __getstate__(self) -> dict[str, Any]:
         """Pickle the fields only (the cached tables are rebuilt on demand)."""
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
@@ -152,7 +170,18 @@ class Layout:
     # ----------------------------------------------------------------- derived
 
     @cached_property
+    def _rankset(self) -> _ranks.RankSet:
+        """The checked rank list (set by the constructor; looked up again after unpickling or :meth:`single`)."""
+        return _ranks.rank_set(self.ranks)
+
+    @cached_property
+    def _geo(self) -> Geometry:
+        """Mesh layouts: the O(ndim) answers (region, replica id, holders, regularity)."""
+        return geometry(self.shape, self.mesh, self._rankset, self.dims, self.split, self.nested, self.opt_shard)
+
+    @cached_property
     def _info(self) -> _table.GridInfo | _table.ExplicitInfo:
+        """The block table: explicit layouts always, mesh layouts only for :meth:`blocks`."""
         if self.explicit is not None:
             return _table.ExplicitInfo(self)
         return _table.GridInfo(self)
@@ -170,32 +199,39 @@ class Layout:
     @property
     def opt_sharded(self) -> bool:
         """Whether optimizer sharding took effect (see `opt_shard`)."""
-        info = self._info
-        return isinstance(info, _table.GridInfo) and info.opt > 0
+        return self.explicit is None and self.opt_shard is not None and self._geo.opt > 0
 
     @property
     def opt_group_size(self) -> int:
         """Ranks sharing one model-parallel block under optimizer sharding (1 if off)."""
-        info = self._info
-        return info.opt if isinstance(info, _table.GridInfo) and info.opt else 1
+        return self._geo.opt if self.opt_sharded else 1
+
+    def has_rank(self, rank: int) -> bool:
+        """Whether `rank` is one of the layout's ranks (O(1), where ``rank in layout.ranks`` scans them)."""
+        return self._rankset.position(rank) is not None
 
     def _pos(self, rank: int) -> int:
-        try:
-            return self._info.index[rank]
-        except (KeyError, TypeError):
-            raise RankError(f"rank {rank!r} is not in the layout's ranks {_short(self.ranks)}") from None
+        p = self._rankset.position(rank)
+        if p is None:
+            raise RankError(f"rank {rank!r} is not in the layout's ranks {_short(self.ranks)}")
+        return p
+
+    def _bounds(self, rank: int) -> tuple[tuple[int, int], ...]:
+        if self.explicit is not None:
+            return self._info.bounds(self._pos(rank))
+        return self._geo.bounds(self._pos(rank))
 
     def region(self, rank: int) -> tuple[slice, ...]:
         """Global region held by `rank`, as ``slice(start, stop)`` per dim."""
         if self._one_whole(rank):
             return tuple(slice(0, n) for n in self.shape)
-        return tuple(slice(lo, hi) for lo, hi in self._info.bounds(self._pos(rank)))
+        return tuple(slice(lo, hi) for lo, hi in self._bounds(rank))
 
     def local_shape(self, rank: int) -> tuple[int, ...]:
         """Shape of `rank`'s local array."""
         if self._one_whole(rank):
             return self.shape
-        return tuple(hi - lo for lo, hi in self._info.bounds(self._pos(rank)))
+        return tuple(hi - lo for lo, hi in self._bounds(rank))
 
     def _one_whole(self, rank: int) -> bool:
         """Whether this is one rank's whole tensor and `rank` is that rank (a quick answer without the block
@@ -207,21 +243,41 @@ class Layout:
 
         Ranks with an empty region get an id too (they write nothing).
         """
-        return self._info.replica(self._pos(rank))
+        if self.explicit is not None:
+            return self._info.replica(self._pos(rank))
+        return self._geo.replica(self._pos(rank))
 
     def coords(self, rank: int) -> tuple[int, ...]:
         """Mesh coordinate of `rank` (row-major, last axis fastest)."""
-        return self._info.coords(self._pos(rank))
+        p = self._pos(rank)
+        return (p,) if self.explicit is not None else _table.mesh_coords(p, self.mesh)
 
     def blocks(self) -> tuple[Block, ...]:
-        """Every distinct non-empty region with its holders, in C order of starts."""
+        """Every distinct non-empty region with its holders, in C order of starts (O(blocks): built on demand)."""
         return self._info.blocks()
 
     def boundaries(self, dim: int) -> tuple[int, ...]:
         """Sorted distinct block starts and stops along `dim` (always 0 and the size)."""
         if not 0 <= dim < self.ndim:
             raise LayoutError(f"dim {dim} out of range for shape {list(self.shape)}")
-        return self._boundaries[dim]
+        if self._whole:
+            return (0, self.shape[dim]) if self.shape[dim] else (0,)
+        if self.explicit is None:
+            return self._geo.boundaries(dim)
+        return self._explicit_boundaries[dim]
+
+    def block_shape(self) -> tuple[int, ...]:
+        """The shape of the block at the origin: a regular layout's grid cell (O(ndim)).
+
+        Edge blocks of a regular layout may be smaller. The shape itself when
+        the layout has no block (a dim of size 0) or is one whole block.
+        """
+        if self._whole:
+            return self.shape
+        if self.explicit is None:
+            return self._geo.cell()
+        blocks = self.blocks()
+        return blocks[0].shape if blocks else self.shape
 
     @cached_property
     def _whole(self) -> bool:
@@ -229,29 +285,12 @@ class Layout:
         return self.explicit is None and self.opt_shard is None and not any(self.dims)
 
     @cached_property
-    def _boundaries(self) -> tuple[tuple[int, ...], ...]:
-        if self._whole:
-            return tuple((0, size) if size else (0,) for size in self.shape)
+    def _explicit_boundaries(self) -> tuple[tuple[int, ...], ...]:
         out = [{0, size} for size in self.shape]
-        pieces = self._pieces
-        if pieces is not None:  # O(pieces per dim), not O(blocks): a 1024-rank layout is as quick as a 2-rank one
-            if all(pieces):
-                for found, dim in zip(out, pieces, strict=True):
-                    found.update(x for piece in dim for x in piece)
-            return tuple(tuple(sorted(found)) for found in out)
         for b in self.blocks():
             for found, s in zip(out, b.region, strict=True):
                 found.update((s.start, s.stop))
         return tuple(tuple(sorted(found)) for found in out)
-
-    @cached_property
-    def _pieces(self) -> list[list[tuple[int, int]]] | None:
-        """Mesh layouts without optimizer sharding: each dim's distinct non-empty pieces (their blocks are
-        every combination of them); None for the others."""
-        info = self._info
-        if not isinstance(info, _table.GridInfo) or info.opt:
-            return None
-        return [sorted({iv for iv in dim if iv[0] < iv[1]}) for dim in info.intervals]
 
     def owner(self, point: Sequence[int]) -> int:
         """The first holder (replica 0) of the block holding the element at `point`.
@@ -261,7 +300,15 @@ class Layout:
         LayoutError
             If `point` lies outside the tensor.
         """
+        if self.explicit is None and not self._whole:
+            return self._geo.owner(self._inside(point))
         return self.holders(point)[0]
+
+    def _inside(self, point: Sequence[int]) -> tuple[int, ...]:
+        point = tuple(point)
+        if len(point) != self.ndim or not all(0 <= x < n for x, n in zip(point, self.shape, strict=True)):
+            raise LayoutError(f"point {list(point)} lies outside shape {list(self.shape)}")
+        return point
 
     def holders(self, point: Sequence[int]) -> tuple[int, ...]:
         """The ranks holding the block that holds the element at `point`, by replica id (replica 0 first).
@@ -271,38 +318,21 @@ class Layout:
         LayoutError
             If `point` lies outside the tensor.
         """
-        point = tuple(point)
-        if len(point) != self.ndim or not all(0 <= x < n for x, n in zip(point, self.shape, strict=True)):
-            raise LayoutError(f"point {list(point)} lies outside shape {list(self.shape)}")
+        point = self._inside(point)
         if self._whole:  # every rank holds the whole tensor, in mesh order
             return self.ranks
-        starts = self._piece_starts
-        if starts is not None:  # mesh layouts: the piece of each dim, then the cell's holders
-            cell = tuple(index[bisect.bisect_right(lo, x) - 1] for (lo, index), x in zip(starts, point, strict=True))
-            return self._info.info.holders[cell]  # type: ignore[union-attr]
+        if self.explicit is None:
+            return self._geo.holders(point)
         for b in self.blocks():
             if all(s.start <= x < s.stop for s, x in zip(b.region, point, strict=True)):
                 return b.ranks
         raise LayoutError(f"no block of {self.describe()} holds point {list(point)}")  # pragma: no cover
 
-    @cached_property
-    def _piece_starts(self) -> list[tuple[list[int], list[int]]] | None:
-        """Mesh layouts without optimizer sharding: per dim, the sorted starts of its non-empty pieces and each
-        piece's index (its coordinate in a block's cell)."""
-        info = self._info
-        if not isinstance(info, _table.GridInfo) or info.opt:
-            return None
-        out = []
-        for dim in info.intervals:
-            found = sorted((lo, i) for i, (lo, hi) in enumerate(dim) if lo < hi)
-            out.append(([lo for lo, _ in found], [i for _, i in found]))
-        return out
-
     def is_regular(self) -> bool:
         """True iff the blocks are the cells of a regular grid (edge cells may be smaller).
 
-        The cell shape is the first block's shape; this is the layout zarr can
-        store with one shard per block.
+        The cell shape is the first block's shape (:meth:`block_shape`); this is
+        the layout zarr can store with one shard per block.
         """
         return self._regular
 
@@ -310,11 +340,8 @@ class Layout:
     def _regular(self) -> bool:
         if self._whole:
             return True
-        pieces = self._pieces
-        if pieces is not None:  # the pieces of each dim tile it; regular iff they are a regular cut
-            return not all(pieces) or all(
-                self._boundaries[d] == (*range(0, size, dim[0][1]), size)
-                for d, (size, dim) in enumerate(zip(self.shape, pieces, strict=True)))
+        if self.explicit is None:
+            return self._geo.regular
         blocks = self.blocks()
         if not blocks:
             return True

@@ -10,6 +10,17 @@ Version 1::
 ``explicit`` (when not null) is a list of ``[rank, offset, local_shape,
 replica_id]``. A contiguous run of ranks is written as ``{"range": [start,
 stop]}`` to keep metadata small for large meshes.
+
+A flattened-range layout (:class:`~reshard.layouts.flat.FlatLayout`) is::
+
+    {"version": 1, "kind": "flat", "shape": [8, 6],
+     "ranges": [[rank, start, stop, replica_id], ...]       # ranges of the whole tensor
+           or  [[rank, offset, block, start, stop, replica_id], ...],   # of (TP-local) blocks
+     "origin": {...} | null}
+
+or, for the even cut of :meth:`FlatLayout.even` (ZeRO-3: every rank a range of every
+parameter), ``"even": ranks`` (a list, or ``{"range": [start, stop]}``) in place of
+``"ranges"``: O(1) bytes where the ranges would be O(ranks).
 """
 
 from __future__ import annotations
@@ -18,23 +29,26 @@ import json
 import math
 from typing import TYPE_CHECKING, Any
 
+from . import _ranks
 from .errors import FormatError, LayoutError
 
 if TYPE_CHECKING:
     from .core import Layout
+    from .flat import FlatLayout
 
 VERSION = 1
 #: Most mesh positions a stored layout may describe (a bound on what parsing allocates).
 MAX_RANKS = 1 << 24
 _KEYS = {"version", "shape", "mesh", "ranks", "dims", "split", "nested", "opt_shard", "explicit", "origin"}
+_FLAT_KEYS = {"version", "kind", "shape", "ranges", "even", "origin"}
+#: Most dims a stored flat layout may have (its checks and boxes go dim by dim).
+MAX_FLAT_NDIM = 64
 
 
 def to_json(layout: Layout) -> dict[str, Any]:
     """Return the JSON-able dict of `layout` (lists, ints, strings, bools, None)."""
-    r = layout.ranks
-    ranks: Any = (
-        {"range": [r[0], r[0] + len(r)]} if r == tuple(range(r[0], r[0] + len(r))) else list(r)
-    )
+    found = layout._rankset
+    ranks: Any = {"range": [found.start, found.start + layout.size]} if found.start is not None else found.as_list
     explicit = None
     if layout.explicit is not None:
         explicit = [[rk, list(off), list(shp), rid] for rk, off, shp, rid in layout.explicit]
@@ -78,6 +92,8 @@ def from_json(obj: Any) -> Layout:
         raise FormatError(f"layout JSON must be an object, got {type(obj).__name__}")
     if obj.get("version") != VERSION:
         raise FormatError(f"layout JSON version {obj.get('version')!r} is not supported (want {VERSION})")
+    if "kind" in obj:
+        return _flat_from_json(obj)
     unknown = set(obj) - _KEYS
     if unknown:
         raise FormatError(f"layout JSON has unknown fields {sorted(unknown)}")
@@ -90,7 +106,7 @@ def from_json(obj: Any) -> Layout:
         bounds = _int_list(ranks.get("range"), "ranks.range")
         if len(bounds) != 2 or bounds[1] - bounds[0] != positions:
             raise FormatError(f"layout JSON ranks.range {bounds} must be [start, start + {positions}] for mesh {mesh}")
-        ranks = list(range(*bounds))
+        ranks = _ranks.run(bounds[0], positions).ranks if bounds[0] >= 0 else list(range(*bounds))
     dims = obj.get("dims", [])
     if not isinstance(dims, list):
         raise FormatError(f"layout JSON field 'dims' must be a list, got {dims!r}")
@@ -113,7 +129,7 @@ def from_json(obj: Any) -> Layout:
     if origin is not None and not isinstance(origin, dict):
         raise FormatError(f"layout JSON origin must be an object or null, got {origin!r}")
     if (mesh == [1] and blocks is None and opt is None and origin is None and split == "even" and not nested
-            and isinstance(ranks, list) and len(ranks) == 1 and type(ranks[0]) is int and ranks[0] >= 0
+            and isinstance(ranks, (list, tuple)) and len(ranks) == 1 and type(ranks[0]) is int and ranks[0] >= 0
             and all(a == [] for a in dims)):  # one rank's whole tensor (the most common record): no checks left
         shape = _int_list(obj.get("shape"), "shape")
         if len(dims) == len(shape) and all(n >= 0 for n in shape):
@@ -122,7 +138,7 @@ def from_json(obj: Any) -> Layout:
         return Layout(
             shape=tuple(_int_list(obj.get("shape"), "shape")),
             mesh=tuple(mesh),
-            ranks=tuple(_int_list(ranks, "ranks")),
+            ranks=ranks if type(ranks) is tuple else tuple(_int_list(ranks, "ranks")),  # a run: checked once
             dims=tuple(tuple(_int_list(a, "dims")) for a in dims),
             split=split,
             nested=nested,
@@ -134,6 +150,74 @@ def from_json(obj: Any) -> Layout:
         if isinstance(e, FormatError):
             raise
         raise FormatError(f"layout JSON describes an impossible layout: {e}") from e
+
+
+def flat_to_json(layout: FlatLayout) -> dict[str, Any]:
+    """The JSON-able dict of a flat layout (short ranges when every block is the whole tensor)."""
+    from .flat import FlatLayout
+
+    r = layout.ranks
+    if (all(rid == 0 for *_, rid in layout.ranges) and all(b == layout.shape for _, _, b, _, _, _ in layout.ranges)
+            and FlatLayout.even(layout.shape, r) == layout):
+        even: Any = {"range": [r[0], r[0] + len(r)]} if r == tuple(range(r[0], r[0] + len(r))) else list(r)
+        return {"version": VERSION, "kind": "flat", "shape": list(layout.shape), "even": even,
+                "origin": layout.origin}
+    whole = all(block == layout.shape for _, _, block, _, _, _ in layout.ranges)
+    ranges = [[rank, start, stop, rid] if whole else [rank, list(off), list(block), start, stop, rid]
+              for rank, off, block, start, stop, rid in layout.ranges]
+    return {"version": VERSION, "kind": "flat", "shape": list(layout.shape), "ranges": ranges,
+            "origin": layout.origin}
+
+
+def _flat_from_json(obj: dict[str, Any]) -> FlatLayout:
+    from .flat import FlatLayout
+
+    if obj.get("kind") != "flat":
+        raise FormatError(f"layout JSON kind {obj.get('kind')!r} is not supported (want 'flat')")
+    unknown = set(obj) - _FLAT_KEYS
+    if unknown:
+        raise FormatError(f"layout JSON has unknown fields {sorted(unknown)}")
+    shape = _int_list(obj.get("shape"), "shape")
+    if len(shape) > MAX_FLAT_NDIM:
+        raise FormatError(f"layout JSON flat layout has {len(shape)} dims, over {MAX_FLAT_NDIM}")
+    ranges, origin = obj.get("ranges"), obj.get("origin")
+    if origin is not None and not isinstance(origin, dict):
+        raise FormatError(f"layout JSON origin must be an object or null, got {origin!r}")
+    if "even" in obj:
+        if ranges is not None:
+            raise FormatError("layout JSON flat layout has both 'even' and 'ranges'")
+        even = obj["even"]
+        if isinstance(even, dict):
+            bounds = _int_list(even.get("range"), "even.range")
+            if len(bounds) != 2 or not 0 < bounds[1] - bounds[0] <= MAX_RANKS:
+                raise FormatError(f"layout JSON even.range {bounds} must be [start, stop] of 1 to {MAX_RANKS} ranks")
+            even = list(range(*bounds))
+        even = _int_list(even, "even")
+        if not even or len(even) > MAX_RANKS:
+            raise FormatError(f"layout JSON field 'even' must name 1 to {MAX_RANKS} ranks")
+        try:
+            return FlatLayout.even(shape, even, origin)
+        except (LayoutError, ValueError) as e:
+            raise FormatError(f"layout JSON describes an impossible flat layout: {e}") from e
+    if type(ranges) is not list or not ranges or len(ranges) > MAX_RANKS:
+        raise FormatError(f"layout JSON field 'ranges' must be a non-empty list of at most {MAX_RANKS} ranges")
+    entries: list[tuple[Any, ...]] = []
+    for r in ranges:
+        if type(r) is list and len(r) == 4:
+            entries.append(tuple(_int_list(r, "ranges")))
+        elif type(r) is list and len(r) == 6:
+            rank, off, block, start, stop, rid = r
+            head = _int_list([rank, start, stop, rid], "ranges")
+            entries.append((head[0], tuple(_int_list(off, "offset")), tuple(_int_list(block, "block")), *head[1:]))
+        else:
+            raise FormatError(f"layout JSON flat range must be [rank, start, stop, replica] or "
+                              f"[rank, offset, block, start, stop, replica], got {r!r}")
+    try:
+        return FlatLayout.from_ranges(shape, entries, origin)
+    except (LayoutError, ValueError) as e:
+        if isinstance(e, FormatError):
+            raise
+        raise FormatError(f"layout JSON describes an impossible flat layout: {e}") from e
 
 
 def _nums(values: Any) -> str:

@@ -1,7 +1,9 @@
 """Read plans: which source blocks fill one target rank's array.
 
 ``plan(source, target, rank)`` is pure: it lists :class:`Piece` records that
-copy ``block[src]`` into ``local[dst]``. Source layouts whose blocks form a
+copy ``block[src]`` into ``local[dst]`` (``piece.target(local)[...] =
+piece.source(block_or_holder_local)``: flat-range layouts, :mod:`.flat`, keep
+a rank's boxes in one 1-d array, and the piece says where). Source layouts whose blocks form a
 grid (every layout except irregular explicit ones) are searched per dim with
 ``bisect`` on the block boundaries, so the cost is the number of pieces, not
 the number of blocks.
@@ -16,6 +18,7 @@ from functools import lru_cache
 
 from .core import Layout
 from .errors import ShapeMismatchError
+from .flat import FlatLayout
 from .records import Block, Piece, intersect
 
 __all__ = ["Piece", "intersect", "plan"]
@@ -85,7 +88,10 @@ def plan(source: Layout, target: Layout, rank: int) -> tuple[Piece, ...]:
     -------
     tuple of Piece
         In C order of the source blocks; together their ``dst`` regions cover
-        the rank's local array exactly once (empty for an empty region).
+        the rank's local array exactly once (empty for an empty region). For a
+        flat-range target, box by box in flat order, ``dst`` relative to the box
+        (``dst_box``); for a flat-range source, ``src_at`` places the block in its
+        holders' arrays. :meth:`Piece.source` and :meth:`Piece.target` apply both.
 
     Raises
     ------
@@ -98,9 +104,16 @@ def plan(source: Layout, target: Layout, rank: int) -> tuple[Piece, ...]:
         raise ShapeMismatchError(
             f"source shape {list(source.shape)} differs from target shape {list(target.shape)}"
         )
-    want = target.region(rank)
+    if isinstance(target, FlatLayout):
+        return tuple(p for at, box in target.boxes(rank)
+                     for p in _pieces(source, box, (at, tuple(s.stop - s.start for s in box))))
+    return _pieces(source, target.region(rank), None)
+
+
+def _pieces(source: Layout, want: tuple[slice, ...], box: tuple[int, tuple[int, ...]] | None) -> tuple[Piece, ...]:
     if any(s.start >= s.stop for s in want):
         return ()
+    flat = source if isinstance(source, FlatLayout) else None
     pieces = []
     for block in _candidates(source, want):
         region = intersect(block.region, want)
@@ -108,5 +121,5 @@ def plan(source: Layout, target: Layout, rank: int) -> tuple[Piece, ...]:
             continue
         src = tuple(slice(r.start - b.start, r.stop - b.start) for r, b in zip(region, block.region, strict=True))
         dst = tuple(slice(r.start - w.start, r.stop - w.start) for r, w in zip(region, want, strict=True))
-        pieces.append(Piece(block, src, dst, region))
+        pieces.append(Piece(block, src, dst, region, flat.offset_of(block) if flat is not None else None, box))
     return tuple(pieces)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
 from .errors import LayoutError
 
@@ -61,12 +63,34 @@ class Piece:
         `region` relative to the target rank's local array.
     region : tuple of slice
         The global intersection.
+    src_at : int, optional
+        A flat-range source (:class:`~reshard.layouts.flat.FlatLayout`): where
+        the block starts in its holders' one-dimensional local arrays.
+    dst_box : (int, tuple of int), optional
+        A flat-range target: ``(offset, shape)`` of the target rank's box that
+        `dst` is relative to (``local[offset : offset + prod(shape)].reshape(shape)``).
     """
 
     block: Block
     src: Region
     dst: Region
     region: Region
+    src_at: int | None = None
+    dst_box: tuple[int, tuple[int, ...]] | None = None
+
+    def source(self, local: Any) -> Any:
+        """The piece's values in a source holder's local array (any array with ``reshape`` and slicing)."""
+        if self.src_at is None:
+            return local[self.src]
+        n = math.prod(self.block.shape)
+        return local.reshape(-1)[self.src_at : self.src_at + n].reshape(self.block.shape)[self.src]
+
+    def target(self, local: Any) -> Any:
+        """Where the piece goes in the target rank's local array (a view: assign into it)."""
+        if self.dst_box is None:
+            return local[self.dst]
+        at, shape = self.dst_box
+        return local.reshape(-1)[at : at + math.prod(shape)].reshape(shape)[self.dst]
 
     def __repr__(self) -> str:
         return (

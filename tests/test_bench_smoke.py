@@ -172,3 +172,16 @@ class Sleepy:
 class Broken(Sleepy):
     def run(self, rep: int) -> dict[str, Any]:
         raise RuntimeError("it broke")
+
+
+def test_w6_runs_both_systems_and_checks_their_loads(tmp_path: Path) -> None:
+    """bench W6 (issue 25) at a tiny size: 8 spawned gloo ranks per system, every loaded value checked."""
+    pytest.importorskip("torch")
+    from bench import data, w6
+
+    size = data.total_bytes(w6.specs(1))
+    for system in ("reshard", "dcp"):
+        m = w6.run_once(system, "hsdp", 1, str(tmp_path / system), {})
+        assert m["save"] > 0 and m["load"] > 0
+        assert 0 < m["busiest_written"] < size + (1 << 20), (system, m)  # blocks this small are not cut
+        assert m["read"] >= 0.9 * size, (system, m)

@@ -267,6 +267,40 @@ def test_replicated_tensor_is_fetched_once(tmp_path: Path, monkeypatch: pytest.M
     assert naive.stats.tasks == 8 > fused.stats.tasks == 1
 
 
+def _data_parallel(kind: str, shape: tuple[int, ...]) -> Layout:
+    """Targets of 8 ranks: DDP (8 replicas), HSDP (2 shards x 4 replicas), TP 4 x DP 2 (columns)."""
+    if kind == "ddp" or not shape:
+        return Layout(shape, (8,))
+    if kind == "hsdp":
+        return Layout.from_dtensor((4, 2), ["R", "S(0)"], shape)
+    return Layout.from_dtensor((2, 4), ["R", f"S({len(shape) - 1})"], shape)
+
+
+@pytest.mark.parametrize("kind", ["ddp", "hsdp", "tpdp"])
+def test_data_parallel_targets_read_each_stored_block_once(tmp_path: Path, kind: str, client: Any) -> None:
+    """Issue 25 item 2, dask: a stored block several target ranks want is read by one task and shared, on
+    threads, by redivide, and once per worker process on a cluster."""
+    rng = np.random.default_rng(25)
+    values = {"a": rng.standard_normal((256, 512)).astype(np.float32),
+              "b": rng.standard_normal((1000, 64)).astype(np.float32), "c": np.arange(512, dtype=np.float32)}
+    url = str(tmp_path / "ck")
+    rs.save(values, url, {"a": shard0((256, 512), 8), "b": Layout.from_dtensor((2, 4), ["S(0)", "S(1)"], (1000, 64)),
+                          "c": Layout.single((512,))})
+    size = sum(f.stat().st_size for f in Path(url).rglob("*") if f.is_file())
+    targets = {n: _data_parallel(kind, v.shape) for n, v in values.items()}
+    ckpt = rs.open(url)
+    loaded = load_many(ckpt, targets, range(8))
+    for rank in range(8):
+        assert all(same(loaded[rank][n], v[targets[n].region(rank)]) for n, v in values.items())
+    assert sum(v.nbytes for v in values.values()) <= loaded.stats.bytes_fetched <= 1.1 * size
+    stats = rs.redivide(rs.open(url), str(tmp_path / "re"), targets)
+    assert stats.bytes_fetched <= 1.1 * size
+    # two worker processes: each locates shards (the ends of the objects it reads) on its own
+    spread = within(60, load_many, rs.open(url), targets, range(8), scheduler=client, fuse_bytes=64 << 10)
+    assert all(same(spread[r][n], loaded[r][n]) for r in range(8) for n in values)
+    assert spread.stats.bytes_fetched <= 2 * 1.1 * size
+
+
 @pytest.mark.parametrize(("form", "requests"), [("directory", 500), ("packed", 1)])
 def test_many_tiny_tensors_are_fused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                      caplog: pytest.LogCaptureFixture, form: str, requests: int) -> None:

@@ -32,6 +32,12 @@ def test_save_on_4x2_restore_on_2_and_8(tmp_path: Path) -> None:
     _run("save_restore", tmp_path)
 
 
+def test_restore_onto_replicated_devices_reads_each_byte_once(tmp_path: Path) -> None:
+    """Issue 25 item 2 for JAX: one process reads each distinct region once (``_distinct``), so 8 devices
+    holding replicas (DDP-like, HSDP-like, TP x DP-like) cost one read of the checkpoint."""
+    _run("read_once", tmp_path)
+
+
 def test_orbax_import_and_restore_elsewhere(tmp_path: Path) -> None:
     _run("orbax", tmp_path)
 
@@ -148,6 +154,29 @@ def scenario_save_restore(tmp: Path) -> None:
     whole = rj.restore(str(tmp / "ck"), NamedSharding(two, P()))
     np.testing.assert_array_equal(np.asarray(whole["opt"]["0"]["mu"]), want["opt.0.mu"])
     assert whole["name"] == "run-1"
+
+
+def scenario_read_once(tmp: Path) -> None:
+    import jax
+    import reshard.store as rs
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from reshard.store.frontends import jax as rj
+
+    devices = np.array(jax.devices())
+    rng = np.random.default_rng(25)
+    values = {"a": rng.standard_normal((256, 512), dtype=np.float32),
+              "b": rng.standard_normal((1000, 64), dtype=np.float32)}
+    fsdp = Mesh(devices, ("x",))
+    rj.save({n: jax.device_put(v, NamedSharding(fsdp, P("x"))) for n, v in values.items()}, str(tmp / "ck"))
+    size = sum(f.stat().st_size for f in (tmp / "ck").rglob("*") if f.is_file())
+    grid = Mesh(devices.reshape(4, 2), ("dp", "mp"))
+    for spec in (P(), P("mp"), P(None, "mp")):  # 8 replicas; 2 shards x 4 replicas; columns x 4 replicas
+        ckpt = rs.open(str(tmp / "ck"))
+        out = rj.restore(ckpt, {n: NamedSharding(grid, spec) for n in values})
+        for n, v in values.items():
+            np.testing.assert_array_equal(np.asarray(out[n]), v)
+        assert sum(v.nbytes for v in values.values()) <= ckpt.stats.bytes_fetched <= 1.1 * size, (spec, size)
 
 
 def scenario_orbax(tmp: Path) -> None:

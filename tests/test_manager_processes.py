@@ -205,3 +205,41 @@ def test_retention_on_s3_lists_only_the_step_it_deletes(s3_proxy, s3_bucket):
     assert counts[0] == 0 and 1 <= counts[1] <= 2 and counts[2] == counts[1]
     assert mgr.steps() == [3]
     assert s3_proxy.records()  # the proxy saw the traffic
+
+
+def _early_rank(url: str, flag: str) -> None:
+    """Rank 1 of a 2-rank job, started before the committer's manager: saves at once."""
+    lay = {"w": Layout.from_dtensor((2,), ["S(0)"], (4, 3))}
+    mgr = rs.CheckpointManager(url, lay, rank=1, async_save=False, commit_timeout=60.0, poll_max=0.05)
+    Path(flag).touch()
+    mgr.save(1, 1, {"w": np.ones((2, 3), np.float32)})
+    mgr.wait(committed=True, timeout=60)
+    mgr.close()
+
+
+def test_a_rank_saving_before_the_committer_starts_waits_for_its_clean_up(tmp_path):
+    """The committer's start-up clean-up removes step folders it does not know: a rank that saved before it
+    started lost its part (and the step). Ranks now write once the committer says it is ready."""
+    url = str(tmp_path / "m")
+    ctx = mp.get_context("spawn")
+    early = ctx.Process(target=_early_rank, args=(url, str(tmp_path / "saving")))
+    early.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "saving").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # the rank is saving
+        assert not (tmp_path / "m" / "step-1").exists()  # it waits for the committer
+        lay = {"w": Layout.from_dtensor((2,), ["S(0)"], (4, 3))}
+        mgr = rs.CheckpointManager(url, lay, rank=0, async_save=False, commit_timeout=60.0, poll_max=0.05)
+        mgr.save(1, 0, {"w": np.zeros((2, 3), np.float32)})
+        mgr.wait(committed=True, timeout=60)
+        mgr.close()
+        early.join(60)
+        assert early.exitcode == 0
+    finally:
+        if early.is_alive():
+            early.kill()
+            early.join(10)
+    np.testing.assert_array_equal(rs.CheckpointManager(url).open(1)["w"].read(),
+                                  np.array([[0] * 3] * 2 + [[1] * 3] * 2, np.float32))

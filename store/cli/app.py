@@ -164,9 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "plus kerchunk references")
     p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
     p = add("export", cmd_export, "stream every tensor into one file (safetensors, npz, torch), "
-            "or into MindSpore per-rank files", json_out=False)
-    p.usage = ("%(prog)s [-h] [-S KEY=VALUE] [--format F] [--strategy FILE] [--max-shard-size SIZE] [--prefix P] "
-               "[--overwrite] [FORMAT] SRC FILE")
+            "or into MindSpore per-rank files or a DeepSpeed ZeRO save", json_out=False)
+    p.usage = ("%(prog)s [-h] [-S KEY=VALUE] [--format F] [--strategy FILE] [--max-shard-size SIZE] [--dp N] "
+               "[--prefix P] [--overwrite] [FORMAT] SRC FILE")
     p.add_argument("paths", nargs="+", metavar="[FORMAT] SRC FILE",
                    help="FORMAT, if given, is --format (reshard export mindspore SRC DIR --strategy FILE); "
                         "FILE is the output file (a folder for mindspore)")
@@ -179,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="safetensors only: FILE is a folder of Hugging Face shards of at most SIZE ('5GB', '500MiB') "
                         "with model.safetensors.index.json (one model.safetensors when everything fits); the "
                         "default when FILE is an existing folder: 5GB")
+    p.add_argument("--dp", type=int, default=None, metavar="N",
+                   help="deepspeed only: the data-parallel size to write the ZeRO save for (DIR/TAG, DIR/latest)")
+    p.add_argument("--tag", default="reshard", help="deepspeed only: the save's folder name under DIR")
     p.add_argument("--prefix", default="", help="torch only: export the tensors under PREFIX, named without it "
                                                 "(--prefix model. gives a file for model.load_state_dict)")
     p.add_argument("--overwrite", action="store_true",

@@ -1,6 +1,7 @@
 """``reshard import ...``: the framework importers on the command line.
 
 ``reshard import dcp SRC DST``, ``reshard import orbax SRC DST``,
+``reshard import deepspeed SRC DST [--tag TAG]``, ``reshard import megatron SRC DST``,
 ``reshard import safetensors SRC DST``,
 ``reshard import mindspore SRC DST [--strategy FILE] [--file NAME]`` and
 ``reshard import oneflow SRC_DIR... DST --placement RANKS --sbp SBP
@@ -46,6 +47,11 @@ def register_import(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--file", default=None, metavar="NAME",
                    help="the file (name or glob; {rank} is the rank) to import from each rank_N folder, or from a "
                         "single-device folder (default: its latest, by epoch and step)")
+    p = add("deepspeed", _deepspeed, "DeepSpeed ZeRO-1/2/3 save (model states + zero_pp_rank_*_optim_states.pt), "
+            "read without DeepSpeed: every parameter's fp32 copy and optimizer state under its flat-range layout")
+    p.add_argument("--tag", default=None, help="the save under SRC to import (default: the one SRC/latest names)")
+    add("megatron", _megatron, "Megatron-Core dist_checkpointing save in the torch_dist format; the distributed "
+        "optimizer's flattened ranges become each tensor in its own shape under a flat-range layout")
     add("safetensors", _safetensors, "a safetensors file, or a Hugging Face folder (model.safetensors, or "
         "model.safetensors.index.json and its model-0000k-of-0000n.safetensors shards); one tensor in memory at a time")
     p = sub.add_parser("oneflow", parents=[common], help=ONEFLOW_HELP, description=ONEFLOW_HELP)
@@ -123,6 +129,21 @@ def _mindspore(args: argparse.Namespace) -> int:
     strategy = Path(args.strategy).read_bytes() if args.strategy is not None else None
     ckpt = import_mindspore(args.src, args.dst, strategy, file_name=args.file, **_options(args))
     return _report("MindSpore checkpoint", args, t0, {"tensors": len(ckpt), "bytes": ckpt.nbytes})
+
+
+def _deepspeed(args: argparse.Namespace) -> int:
+    from ..frontends.deepspeed import import_deepspeed
+
+    t0 = time.perf_counter()
+    return _report("DeepSpeed checkpoint", args, t0, import_deepspeed(args.src, args.dst, tag=args.tag,
+                                                                      **_options(args)))
+
+
+def _megatron(args: argparse.Namespace) -> int:
+    from ..frontends.megatron import import_megatron
+
+    t0 = time.perf_counter()
+    return _report("Megatron torch_dist checkpoint", args, t0, import_megatron(args.src, args.dst, **_options(args)))
 
 
 def _safetensors(args: argparse.Namespace) -> int:

@@ -122,7 +122,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------ export, demo
-EXPORT_FORMATS = ("safetensors", "npz", "torch", "mindspore")
+EXPORT_FORMATS = ("safetensors", "npz", "torch", "mindspore", "deepspeed")
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -143,7 +143,17 @@ def cmd_export(args: argparse.Namespace) -> int:
         args.parser.error("--format mindspore needs --strategy, and --strategy needs --format mindspore")
     if getattr(args, "ms_format", None) and fmt != "mindspore":
         args.parser.error("--ms-format applies to --format mindspore only")
+    if (fmt == "deepspeed") != (args.dp is not None):
+        args.parser.error("--format deepspeed needs --dp, and --dp needs --format deepspeed")
     t0 = time.perf_counter()
+    if fmt == "deepspeed":
+        from ..frontends.deepspeed_export import export_deepspeed
+
+        done = export_deepspeed(args.src, args.file, args.dp, tag=args.tag,
+                                storage_options=storage_options(args.storage_option))
+        print(f"exported a ZeRO-{done['stage']} save for {done['dp']} data-parallel ranks to {done['folder']} "
+              f"({done['files']} files) in {time.perf_counter() - t0:.2f} s")
+        return 0
     if fmt == "mindspore":
         from ..frontends.mindspore import export_mindspore
 

@@ -93,6 +93,13 @@ def encode_shard(data: np.ndarray, meta: ArrayMeta, index_of: tuple[int, ...] | 
     """
     if not meta.shape:
         return encode_chunk(data, meta)
+    if not meta.sharded:  # a grid cell is one chunk (an edge cell of the array padded as zarr stores it)
+        extent = meta.chunk_grid.extent(index_of if index_of is not None else (0,) * len(meta.shape))
+        if data.shape != extent:
+            full = np.zeros(extent, dtype=data.dtype)
+            full[tuple(slice(0, k) for k in data.shape)] = data
+            data = full
+        return encode_chunk(data, meta)
     per = meta.chunks_in(index_of) if index_of is not None else meta.chunks_per_shard
     if data.shape == meta.chunk and math.prod(per) == 1:  # one whole chunk (every small shard): no index array
         chunk = encode_chunk(data, meta)
@@ -109,7 +116,7 @@ def shard_encoding(meta: ArrayMeta, index: tuple[int, ...]) -> bytes:
     of a shard's hash: :func:`reshard.store.write.incremental.digest`).
     """
     shape = tuple(s.stop - s.start for s in meta.shard_region(index)) if meta.shape else ()
-    per = meta.chunks_in(index) if meta.shape else ()
+    per: Any = (meta.chunks_in(index) if meta.sharded else "cell") if meta.shape else ()
     return f"{meta.dtype}/{shape}/{meta.chunk}/{per}/{meta.compressor}/{meta.checksums};".encode()
 
 

@@ -28,6 +28,17 @@ Which one a layout gets (:func:`choose_grid`):
   ``ceil(size / pieces)`` per dimension, whatever ``grid`` says: one writer
   holds every shard anyway, and the regular grid keeps larger inner chunks.
 
+* A **flattened-range** layout (:class:`reshard.layouts.FlatLayout`: ZeRO,
+  FSDP1, Megatron's distributed optimizer) is a set of boxes per rank. Its
+  ranks' own writes use the rectilinear grid of the boxes' boundaries, the row
+  bands cut further every :data:`FLAT_CELL_ELEMENTS` elements' worth of rows
+  (each cell inside one box: one writer per object), and every cell is one
+  chunk, without the sharding codec: ranges cut rows at arbitrary columns, and
+  an inner chunk dividing every cell would be as narrow as the gcd of those
+  columns. One process writing it all (importers, ``redivide``) uses a grid of
+  whole rows, ``ceil(rows / ranges)`` rows per shard (:func:`flat_rows_grid`),
+  sharded as usual.
+
 * A regular layout whose blocks have **several holders** (data-parallel
   replicas: DDP, HSDP, TP x DP) is, by default (``balance=True``), cut further:
   each block into ``p <= R`` equal sub-shards along one dimension, ``p`` the
@@ -55,12 +66,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from reshard.layouts import Layout
+from reshard.layouts import FlatLayout, Layout
 from reshard.layouts.errors import FormatError
 
 #: A replicated block is cut among its holders only into pieces of at least this many elements (below it
 #: one more object per piece costs more than the write it spreads; dtype-free, so readers check it alike).
 MIN_BALANCED_ELEMENTS = 1 << 15
+
+#: A flat layout's per-rank grid cuts its row bands every this many elements' worth of rows too: each cell is one
+#: chunk (:attr:`reshard.store.format.meta.ArrayMeta.sharded`), so this bounds what a read of a few rows fetches.
+FLAT_CELL_ELEMENTS = 1 << 18
 
 #: ``grid=`` values accepted by the writer.
 GRID_CHOICES = ("exact", "regular")
@@ -221,11 +236,17 @@ def allowed_grids(layout: Layout) -> list[Grid]:
     piece count).
 
     What ``commit`` and ``open`` accept: an edited grid would read other shards' bytes.
+    Computed once per distinct layout (a model's tensors share a few).
     """
+    return list(_allowed_grids(layout))
+
+
+@functools.lru_cache(maxsize=4096)
+def _allowed_grids(layout: Layout) -> tuple[Grid, ...]:
     if not layout.shape or layout.is_regular():
-        return list(dict.fromkeys([choose_grid(layout), choose_grid(layout, balance=True)]))
-    return [choose_grid(layout, "exact", regular=False), choose_grid(layout, "regular", regular=False),
-            choose_grid(layout, single_writer=True, regular=False)]
+        return tuple(dict.fromkeys([choose_grid(layout), choose_grid(layout, balance=True)]))
+    return (choose_grid(layout, "exact", regular=False), choose_grid(layout, "regular", regular=False),
+            choose_grid(layout, single_writer=True, regular=False))
 
 
 def choose_grid(layout: Layout, grid: str = "exact", single_writer: bool = False,
@@ -247,7 +268,14 @@ def choose_grid(layout: Layout, grid: str = "exact", single_writer: bool = False
     balance : bool
         A regular layout's replicated blocks are cut into one sub-shard per
         holder (:func:`balanced_grid`); ignored with ``single_writer``.
+
+    Computed once per distinct layout and arguments (a model's tensors share a few layouts).
     """
+    return _choose_grid(layout, grid, single_writer, regular, balance)
+
+
+@functools.lru_cache(maxsize=4096)
+def _choose_grid(layout: Layout, grid: str, single_writer: bool, regular: bool | None, balance: bool) -> Grid:
     if grid not in GRID_CHOICES:
         raise ValueError(f"grid must be one of {GRID_CHOICES}, got {grid!r}")
     shape = tuple(layout.shape)
@@ -256,10 +284,14 @@ def choose_grid(layout: Layout, grid: str = "exact", single_writer: bool = False
     if layout.is_regular() if regular is None else regular:
         if not all(shape):
             return Grid(shape, tuple(max(1, n) for n in shape))
-        # the first block's shape: it starts at 0 and ends at each dim's first boundary after 0
-        blocks = Grid(shape, tuple(layout.boundaries(d)[1] for d in range(len(shape))))
+        blocks = Grid(shape, layout.block_shape())  # the first block's shape: O(ndim), whatever the rank count
         return balanced_grid(layout, blocks) if balance and not single_writer else blocks
+    if single_writer and isinstance(layout, FlatLayout):
+        return flat_rows_grid(layout)
     bounds = [layout.boundaries(d) for d in range(len(shape))]
+    if isinstance(layout, FlatLayout) and not single_writer and grid == "exact":
+        step = max(1, FLAT_CELL_ELEMENTS // max(1, math.prod(shape[1:])))  # cells of about this many elements
+        bounds[0] = tuple(sorted({*bounds[0], *range(0, shape[0], step)}))
     if single_writer:
         return Grid(shape, tuple(max(1, -(-n // max(1, len(b) - 1))) for n, b in zip(shape, bounds, strict=True)))
     if grid == "regular":
@@ -268,6 +300,14 @@ def choose_grid(layout: Layout, grid: str = "exact", single_writer: bool = False
     if all(len(e) == 1 or (len(set(e[:-1])) == 1 and e[-1] <= e[0]) for e in edges):
         return Grid(shape, tuple(e[0] for e in edges))  # the boundaries are a regular grid after all
     return Grid(shape, tuple(max(e) for e in edges), edges)
+
+
+def flat_rows_grid(layout: FlatLayout) -> Grid:
+    """One process's grid of a flat layout: whole rows (every dim but the first whole), ``ceil(rows / k)``
+    rows a shard for ``k`` non-empty replica-0 ranges (a rank's range then spans about one shard)."""
+    shape = tuple(layout.shape)
+    k = max(1, sum(1 for r in layout.ranges if r[5] == 0 and r[3] < r[4]))
+    return Grid(shape, (max(1, -(-shape[0] // k)), *(max(1, n) for n in shape[1:])))
 
 
 def balanced_grid(layout: Layout, blocks: Grid) -> Grid:
@@ -292,21 +332,22 @@ def balanced_grid(layout: Layout, blocks: Grid) -> Grid:
     return Grid(blocks.shape, tuple(n // best if d == dim else n for d, n in enumerate(cell)))
 
 
+@functools.lru_cache(maxsize=1 << 14)
 def shard_writer(layout: Layout, grid: Grid, index: tuple[int, ...]) -> int:
     """The rank that writes the shard at ``index`` of ``grid``.
 
     A sub-shard of a balanced grid (:func:`balanced_grid`): the holder of its
     block whose replica id is the sub-shard's position in the block; any other
-    shard: its block's replica 0.
+    shard: its block's replica 0. Kept per (layout, grid, index): the tensors
+    of a model share a few layouts and grids, and a rank asks about the same few shards of each.
     """
     start = tuple(grid.start(d, i) for d, i in enumerate(index))
-    holders = layout.holders(start)
-    if grid.edges is None and len(holders) > 1 and layout.is_regular():
-        for d, (s, x) in enumerate(zip(grid.shard, start, strict=True)):
-            cell = layout.boundaries(d)[1]
+    if grid.edges is None and layout.is_regular():
+        for s, x, cell in zip(grid.shard, start, layout.block_shape(), strict=True):
             if s < cell:  # the cut dimension: the shard's position in its block
+                holders = layout.holders(start)
                 return holders[(x % cell) // s % len(holders)]
-    return holders[0]
+    return layout.owner(start)
 
 
 def writes_any(layout: Layout, rank: int, balance: bool = True) -> bool:
@@ -319,4 +360,5 @@ def writes_any(layout: Layout, rank: int, balance: bool = True) -> bool:
 
 def writes_in(layout: Layout, grid: Grid, rank: int) -> bool:
     """Whether ``rank`` writes any shard of ``grid`` (:func:`shard_writer`)."""
-    return any(shard_writer(layout, grid, idx) == rank for idx in grid.shards_in(layout.region(rank)))
+    regions = [r for _, r in layout.boxes(rank)] if isinstance(layout, FlatLayout) else [layout.region(rank)]
+    return any(shard_writer(layout, grid, idx) == rank for region in regions for idx in grid.shards_in(region))

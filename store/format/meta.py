@@ -248,12 +248,23 @@ class ArrayMeta:
         if self.edges is not None and any(sum(e) != n for e, n in zip(self.edges, self.shape, strict=True)):
             raise FormatError(f"tensor {self.name!r}: rectilinear shard edges {[list(e) for e in self.edges]} "
                               f"do not add up to shape {list(self.shape)}")
-        if any(k < 1 or s % k for s, k in zip(self.chunk_grid.divisor(), chunk, strict=True)):
+        if self.sharded and any(k < 1 or s % k for s, k in zip(self.chunk_grid.divisor(), chunk, strict=True)):
             what = "every shard edge" if self.edges is not None else f"shard {list(shard)}"
             raise FormatError(f"tensor {self.name!r}: inner chunk {list(chunk)} does not divide {what}")
         if tuple(self.layout.shape) != self.shape:
             raise FormatError(f"tensor {self.name!r}: layout is for shape {list(self.layout.shape)}, the array "
                               f"is {list(self.shape)}")
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the array uses the sharding codec (every array but those below; 0-d arrays have no grid).
+
+        A rectilinear grid whose inner chunk is the largest shard (``chunk == shard``, which no sharded
+        rectilinear grid can have: its chunk divides every edge, and its edges are not all equal) has no
+        sharding codec: every grid cell is one chunk, its bytes [+ zstd] [+ crc32c] (a flat layout saved
+        by its ranks, docs/format.md "Flattened-range layouts").
+        """
+        return not (self.edges is not None and self.shape and tuple(self.chunk) == tuple(self.shard))
 
     @functools.cached_property
     def path(self) -> str:
@@ -343,7 +354,7 @@ class ArrayMeta:
         attrs: dict[str, Any] = {"reshard": {"layout": self.layout.to_json()}}
         if self.origin is not None:
             attrs["reshard"]["origin"] = self.origin
-        if self.shape:
+        if self.shape and self.sharded:
             codecs: list[dict[str, Any]] = [
                 {
                     "name": "sharding_indexed",

@@ -149,6 +149,14 @@ def layout_of(value: Any, where: str, shape: tuple[int, ...] | None = None) -> L
     if type(mesh) is list and all(is_int(n) for n in mesh) and math.prod(mesh) > MAX_RANKS:
         raise FormatError(f"{where}: its layout's mesh {mesh} has {math.prod(mesh)} ranks, over the limit of "
                           f"{MAX_RANKS}")
+    ranges = value.get("ranges") if isinstance(value, dict) else None  # a flat layout: one range a rank
+    even = value.get("even") if isinstance(value, dict) else None
+    if isinstance(even, dict) and type(even.get("range")) is list and len(even["range"]) == 2 \
+            and all(is_int(n) for n in even["range"]):
+        even = range(*even["range"])
+    for listed in (ranges, even):
+        if isinstance(listed, (list, range)) and len(listed) > MAX_RANKS:
+            raise FormatError(f"{where}: its flat layout has {len(listed)} ranks, over the limit of {MAX_RANKS}")
     try:
         layout = Layout.from_json(value)
     except FormatError as e:
@@ -381,7 +389,9 @@ def check_array(name: str, doc: Any, where: str) -> dict[str, Any]:
     codecs = get(doc, "codecs", at)
     if type(codecs) is not list or not codecs or not all(isinstance(c, dict) for c in codecs):
         raise _fail(at, "codecs", "a non-empty list of codec objects", codecs)
-    if shape:
+    if shape and grid.edges is not None and codecs[0].get("name") != "sharding_indexed":
+        chunk, inner = shard, codecs  # every cell of a rectilinear grid its own chunk (ArrayMeta.sharded)
+    elif shape:
         cfg = codecs[0].get("configuration")
         if (len(codecs) != 1 or codecs[0].get("name") != "sharding_indexed" or not isinstance(cfg, dict)
                 or set(cfg) != _SHARD_CONFIG or cfg["index_location"] != "end" or cfg["index_codecs"] != _INDEX_CODECS):

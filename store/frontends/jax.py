@@ -12,6 +12,7 @@ jax and orbax are imported inside the functions, never when ``reshard.store`` lo
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -20,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from reshard.layouts import Layout
+from reshard.layouts import Layout, all_ranks
 from reshard.layouts.errors import (
     CheckpointNotFoundError,
     FormatError,
@@ -60,6 +61,12 @@ def _region(index: Sequence[slice], shape: Sequence[int]) -> Region:
     return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
 
 
+@functools.lru_cache(maxsize=64)
+def _device_ids(mesh: Any) -> tuple[int, ...]:
+    """A mesh's device ids in mesh order, one tuple per mesh: its layouts share it (no O(devices) per array)."""
+    return tuple(d.id for d in mesh.devices.flat)
+
+
 def layout_of(array: Any) -> Layout:
     """The layout of a ``jax.Array`` (ranks are device ids).
 
@@ -71,8 +78,7 @@ def layout_of(array: Any) -> Layout:
     sharding, shape = array.sharding, tuple(array.shape)
     if isinstance(sharding, NamedSharding):
         mesh = sharding.mesh
-        ranks = [d.id for d in mesh.devices.flat]
-        return Layout.from_jax(list(mesh.shape.items()), tuple(sharding.spec), shape, ranks=ranks)
+        return Layout.from_jax(list(mesh.shape.items()), tuple(sharding.spec), shape, ranks=_device_ids(mesh))
     if sharding.is_fully_replicated:
         ids = sorted(d.id for d in sharding.device_set)
         return Layout(shape, (len(ids),), tuple(ids))
@@ -119,7 +125,7 @@ def save(pytree: Any, url: str, **options: Any) -> CheckpointWriter:
         else:
             leaves[name] = to_json(value, name)
     local_ids = {d.id for d in jax.local_devices()}
-    ranks = sorted(local_ids & set().union({home}, *(lay.ranks for lay in layouts.values())))
+    ranks = sorted(local_ids & (all_ranks(layouts.values()) | {home}))
     writer = create(url, layouts, **options)
     for rank in ranks:
         writer.write(rank, {**leaves, **_pieces(rank, layouts, arrays, writer)})
@@ -139,7 +145,7 @@ def _pieces(rank: int, layouts: dict[str, Layout], arrays: dict[str, Any], write
     """Device ``rank``'s local arrays, as the writer expects them."""
     out = {}
     for name, layout in layouts.items():
-        if rank not in layout.ranks:
+        if not layout.has_rank(rank):
             continue
         value = arrays[name]
         if isinstance(value, np.ndarray):

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 from reshard.layouts import Layout
-from reshard.layouts.errors import TensorNotFoundError
+from reshard.layouts.errors import ShapeMismatchError, TensorNotFoundError
 
 from ..format.torch_arrays import from_numpy, to_numpy
 from ..format.tree import to_json
@@ -293,14 +293,23 @@ def save(state_dict: Mapping[str, Any], url: str, *, process_group: Any = None, 
 
 
 def load(state_dict: Mapping[str, Any], url: str, *, strict: bool = True, process_group: Any = None,
-         storage_options: dict[str, Any] | None = None, engine: str = "fast") -> IOStats:
+         storage_options: dict[str, Any] | None = None, engine: str = "fast",
+         read_once: bool | None = None) -> IOStats:
     """Fill a (DTensor) state dict in place from a checkpoint; call on every rank.
 
     Each DTensor's local tensor receives its own region under its own mesh
-    and placements (any mesh, any world size: nothing else is read, no
-    collective is used). Plain tensors receive the whole stored tensor, JSON
-    leaves are replaced by the stored values. Stored values of another dtype
-    are cast as by ``Tensor.copy_``.
+    and placements (any mesh, any world size). Plain tensors receive the whole
+    stored tensor, JSON leaves are replaced by the stored values. Stored values
+    of another dtype are cast as by ``Tensor.copy_``.
+
+    Without ``process_group`` every rank reads its own regions from storage,
+    with no collective. With one, on an object store (or with
+    ``read_once=True``), the load is read-once: every stored byte
+    some ranks of the group need is read from storage by one of them (the
+    reading balanced over the ranks) and handed to the others with
+    ``all_to_all_single`` (gloo on CPU; with NCCL into device memory), in
+    rounds of at most 256 MiB staged, sent and received per rank; a rank that
+    fails makes every rank raise (see :mod:`reshard.store.frontends.exchange`).
 
     Parameters
     ----------
@@ -313,17 +322,66 @@ def load(state_dict: Mapping[str, Any], url: str, *, strict: bool = True, proces
         Raise :class:`TensorNotFoundError` for names the checkpoint lacks
         (otherwise they keep their values).
     process_group : ProcessGroup, optional
-        Only used to learn this process's rank.
+        The ranks that load together and share their reads (e.g.
+        ``dist.group.WORLD``); every rank of it must call ``load``. None:
+        independent reads (also when torch.distributed is not initialized).
+    read_once : bool, optional
+        With a group: share the reads (True) or read independently (False).
+        Default: read-once when ``url`` is an object store (``s3://``, ``gs://``...),
+        independent reads for local paths, where the ranks of one host share
+        the page cache (each byte comes from the disk once anyway) and the
+        exchange over loopback costs more than it saves (docs/torch.md). Pass
+        True for a file system shared by several hosts (Lustre, NFS).
     storage_options, engine
         As for :func:`reshard.store.open`.
 
     Returns
     -------
     IOStats
-        This rank's read counters.
+        This rank's read counters (with a group: what this rank read for the group).
     """
-    rank, _ = _group(process_group)
-    ckpt = open(url, storage_options=storage_options, engine=engine)
+    rank, ranks = _group(process_group)
+    if read_once is None:  # the same on every rank: no collective needed to agree
+        read_once = "://" in url and not url.startswith("file://")
+    if read_once and process_group is not None and len(ranks) > 1:
+        from .exchange import read_once as exchange
+
+        ckpt, failure = None, None
+        targets: dict[str, tuple[Any, tuple[tuple[int, int], ...]]] = {}
+        updates: list[tuple[Any, Any, Any]] = []
+        try:
+            ckpt = open(url, storage_options=storage_options, engine=engine)
+            layouts, values, updates = _targets(ckpt, state_dict, rank, strict)
+            for name, layout in layouts.items():
+                want = layout.local_shape(rank)
+                if tuple(values[name].shape) != want:
+                    raise ShapeMismatchError(f"tensor {name!r}: local tensor is {list(values[name].shape)}, "
+                                             f"rank {rank} needs {list(want)}")
+                targets[name] = (values[name], tuple((s.start, s.stop) for s in layout.region(rank)))
+        except Exception as e:  # every rank of the group raises (this one its own error)
+            failure = e
+        stats = exchange(ckpt, targets, failure, process_group)
+    else:
+        ckpt = open(url, storage_options=storage_options, engine=engine)
+        layouts, values, updates = _targets(ckpt, state_dict, rank, strict)
+        # CPU contiguous tensors of the stored dtype are read into in place; others get a (pinned, for a GPU)
+        # staged copy
+        ckpt.load(layouts, rank, as_="torch", out=values)
+        stats = ckpt.last_stats
+    for container, key, leaf in updates:
+        container[key] = leaf
+    return stats
+
+
+def _targets(ckpt: Any, state_dict: Mapping[str, Any], rank: int,
+             strict: bool) -> tuple[dict[str, Layout], dict[str, Any], list[tuple[Any, Any, Any]]]:
+    """What ``rank`` loads: ``({name: layout}, {name: local tensor}, [(container, key, JSON leaf)])``.
+
+    Raises
+    ------
+    TensorNotFoundError
+        With ``strict``, for names the checkpoint lacks.
+    """
     layouts: dict[str, Layout] = {}
     targets: dict[str, Any] = {}
     updates: list[tuple[Any, Any, Any]] = []
@@ -339,17 +397,13 @@ def load(state_dict: Mapping[str, Any], url: str, *, strict: bool = True, proces
             missing.append(name)
             continue
         layout = layout_of(value, [rank])
-        if rank in layout.ranks:
+        if layout.has_rank(rank):
             layouts[name] = layout
             targets[name] = _local(value)
     if missing and strict:
         shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
         raise TensorNotFoundError(f"{ckpt.url} holds no tensor or leaf named {shown}")
-    # CPU contiguous tensors of the stored dtype are read into in place; others get a (pinned, for a GPU) staged copy
-    ckpt.load(layouts, rank, as_="torch", out=targets)
-    for container, key, leaf in updates:
-        container[key] = leaf
-    return ckpt.last_stats
+    return layouts, targets, updates
 
 
 # -------------------------------------------------------------- export

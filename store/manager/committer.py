@@ -127,8 +127,9 @@ class Committer:
                 raise CommitConflictError(f"{self.root.url}: another job took this root's lock just now") from None
         self._job = body
 
-    def renew_job_lock(self) -> None:
-        """Rewrite this job's lock with the current time (a heartbeat).
+    def renew_job_lock(self, ready: bool = False) -> None:
+        """Rewrite this job's lock with the current time (a heartbeat); ``ready``: also say that
+        :meth:`reconcile` is done, so the job's other ranks may write (:meth:`wait_ready`).
 
         Raises
         ------
@@ -147,8 +148,36 @@ class Committer:
             self._job = None
             raise CommitConflictError(f"{self.root.url}: this job's lock of the root was taken by another job "
                                       "(this one looked dead for longer than its lease): saves stop here")
-        self._job = json.dumps({**json.loads(self._job), "time": time.time()}).encode()
+        self._job = json.dumps({**json.loads(self._job), "time": time.time(), **({"ready": True} if ready else {})
+                                }).encode()
         self.root.write_atomic(JOB_LOCK_KEY, self._job)
+
+    def wait_ready(self, timeout: float) -> None:
+        """Wait until a live job holds the root's lock and has reconciled (ranks other than the committer's,
+        before their first write: the committer's startup clean-up removes step folders it does not know).
+
+        Raises
+        ------
+        UncommittedCheckpointError
+            If no live, ready job lock appears within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        delay = POLL_MIN
+        while True:
+            raw = self.root.read_if_exists(JOB_LOCK_KEY)
+            try:
+                holder = json.loads(raw) if raw is not None else None
+            except ValueError:
+                holder = None
+            if isinstance(holder, dict) and holder.get("ready") is True and not lock_is_stale(holder, time.time()):
+                return
+            if time.monotonic() >= deadline or self.stop.is_set():
+                raise UncommittedCheckpointError(
+                    f"{self.root.url}: the job's committer has not started its manager here within {timeout:.0f} s "
+                    f"(no live, ready {JOB_LOCK_KEY}): a rank writes only once it has, so that the committer's "
+                    "start-up clean-up of unknown step folders never removes a save in progress")
+            self.stop.wait(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, self.poll_max)
 
     def release_job_lock(self) -> None:
         """Give the root's job lock back (the manager is closed), if this job still holds it."""
@@ -168,8 +197,9 @@ class Committer:
         if it holds a marker (written by an older reshard), else removed; the
         temporary of an index write that was killed is removed. One
         LIST of the root (per job, not per save), one GET per flagged record and
-        per unknown folder. Call it before any rank saves (a step folder being
-        written now would be taken for a crashed job's leftover).
+        per unknown folder. Ranks of other processes wait for it before their first
+        write (:meth:`wait_ready`): a step folder being written now would be taken
+        for a crashed job's leftover.
         """
         index = read_index(self.root)
         changed = False

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from reshard.layouts import Layout
+from reshard.layouts import Layout, all_ranks
 from reshard.layouts.errors import CheckpointNotFoundError, LayoutError
 
 from ..format.tree import to_json
@@ -42,7 +42,7 @@ class JaxCheckpointManager:
         self.home = min(d.id for d in jax.devices())
         self.layouts = self._layouts(like)
         local = {d.id for d in jax.local_devices()}
-        self.ranks = sorted(local & set().union({self.home}, *(lay.ranks for lay in self.layouts.values())))
+        self.ranks = sorted(local & (all_ranks(self.layouts.values()) | {self.home}))
         self.manager = CheckpointManager(url, self.layouts, rank=self.ranks, committer=self.home, **options)
 
     def _layouts(self, tree: Any) -> dict[str, Layout]:

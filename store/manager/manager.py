@@ -28,6 +28,7 @@ from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import numpy as np
+from reshard.layouts import all_ranks
 from reshard.layouts.errors import CheckpointNotFoundError, UncommittedCheckpointError
 
 from ..format.grid import writes_any
@@ -142,10 +143,13 @@ class CheckpointManager:
         self._writers: dict[int, CheckpointWriter] = {}
         self._closed = False
         self._heartbeat: threading.Thread | None = None
+        #: Ranks of this process write once the committer has reconciled (another process's committer: waited for).
+        self._ready = layouts is None or self.committer_rank in _process_ranks(rank, self.committer_rank)
         if layouts is not None and self.committer_rank in _process_ranks(rank, self.committer_rank):
             self.committer.take_job_lock()  # one job per root: a second one is refused here
             try:
                 self.committer.reconcile()
+                self.committer.renew_job_lock(ready=True)  # the other processes' ranks may write now
             except BaseException:
                 self.committer.release_job_lock()
                 raise
@@ -249,13 +253,16 @@ class CheckpointManager:
         balance = self.options.get("balance", True)
         for name, value in tensors.items():
             layout = self.layouts.get(name)
-            if layout is not None and rank in layout.ranks and not writes_any(layout, rank, balance):
+            if layout is not None and layout.has_rank(rank) and not writes_any(layout, rank, balance):
                 shape = tuple(int(n) for n in value.shape)
                 out[name] = np.broadcast_to(np.zeros((), dtype=host_dtype(value)), shape)
         return out
 
     def _write(self, step: int, rank: int, state: dict[str, Any], staged: Any) -> None:
         try:
+            if not self._ready:
+                self.committer.wait_ready(self.committer.timeout)
+                self._ready = True
             if staged is not None:
                 staged.ready()
             self._writer(step).write(rank, state)
@@ -464,12 +471,12 @@ def _step(step: Any) -> int:
 
 def _all_ranks(layouts: LayoutSpec, shapes: Mapping[str, tuple[int, ...]] | None) -> list[int]:
     if isinstance(layouts, Mapping):
-        found = [lay.ranks for lay in layouts.values()]
+        found = list(layouts.values())
     elif shapes:
-        found = [resolve_layout(layouts, n, tuple(s)).ranks for n, s in shapes.items()]
+        found = [resolve_layout(layouts, n, tuple(s)) for n, s in shapes.items()]
     else:
         return []
-    return sorted(set().union(*found)) if found else []
+    return sorted(all_ranks(found))
 
 
 def _process_ranks(rank: int | Iterable[int] | None, committer: int) -> set[int]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from reshard.layouts import Layout
+from reshard.layouts import FlatLayout, Layout
 
 from ..format.encode import encode_shard
 from ..format.meta import ArrayMeta
@@ -58,10 +58,18 @@ def save(state: Mapping[str, Any], url: str, layouts: LayoutSpec | None = None, 
         local: dict[str, Any] = dict(leaves)
         for name, lay in resolved.items():
             if rank in lay.ranks:
-                local[name] = np.asarray(tensors[name])[(*lay.region(rank), ...)]
+                local[name] = local_part(lay, rank, np.asarray(tensors[name]))
         writer.write(rank, local)
     writer.commit()
     return writer
+
+
+def local_part(layout: Layout, rank: int, full: np.ndarray) -> np.ndarray:
+    """``rank``'s local array of a whole array ``full`` (a flat range: its block's C-order flattening, sliced)."""
+    if isinstance(layout, FlatLayout):
+        start, stop = layout.flat_range(rank)
+        return np.ascontiguousarray(full[layout.block_of(rank)]).reshape(-1)[start:stop]
+    return full[(*layout.region(rank), ...)]
 
 
 @gc_paused()

@@ -28,7 +28,7 @@ from ..format.tree import LayoutSpec, flatten, from_json, resolve_layout, sugges
 from ..io.gcpause import gc_paused
 from ..io.stats import IOStats
 from ..io.storage import Storage
-from .fetch import Fetcher
+from .fetch import Fetcher, target_region
 from .lazy import LazyTensor, Region
 
 if TYPE_CHECKING:
@@ -285,15 +285,15 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
         if as_ == "torch":
             from .torch_load import load_torch
 
-            wanted = [(n, m, lay.local_shape(rank), lay.region(rank)) for n, m in self._select(layouts, names)
-                      if rank in (lay := self._target(layouts, m)).ranks]
+            wanted = [(n, m, lay.local_shape(rank), target_region(lay, rank)) for n, m in self._select(layouts, names)
+                      if (lay := self._target(layouts, m)).has_rank(rank)]
             return unflatten({**self.leaves, **load_torch(self, wanted, out, device, pin_memory)})
         given = flatten(out, self.arrays)[0] if out is not None else {}
         wanted = []
         for name, meta in self._select(layouts, names):
             layout = self._target(layouts, meta)
-            if rank in layout.ranks:
-                wanted.append((name, meta, layout.local_shape(rank), layout.region(rank)))
+            if layout.has_rank(rank):
+                wanted.append((name, meta, layout.local_shape(rank), target_region(layout, rank)))
         fresh = iter(allocate([(shape, meta.np_dtype) for name, meta, shape, _ in wanted if name not in given]))
         jobs = []
         result: dict[str, Any] = dict(self.leaves)

@@ -17,12 +17,14 @@ per source object touched.
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from reshard.layouts.errors import FormatError, StorageError
+from reshard.layouts import FlatLayout, Layout
+from reshard.layouts.errors import FormatError, ShapeMismatchError, StorageError
 
 from ..format.encode import plain_index, stored_bytes
 from ..format.meta import ArrayMeta
@@ -55,6 +57,50 @@ Region = tuple[slice, ...]
 DEFAULT_GAP = 64 << 10
 #: The same on object stores (S3 and the like: tens of ms per request, ~100 MB/s per stream).
 REMOTE_GAP = 1 << 20
+
+
+class Boxes(tuple):
+    """A flat-range rank's part as a read job's region: ``(offset, global region)`` per box
+    (:meth:`reshard.layouts.FlatLayout.boxes`); the job's destination is the rank's 1-d array."""
+
+    @property
+    def size(self) -> int:
+        """Elements of all the boxes: the length of the 1-d destination."""
+        return sum(math.prod(s.stop - s.start for s in box) for _, box in self)
+
+    def key(self) -> tuple[Any, ...]:
+        """A hashable form (slices are not hashable before Python 3.12)."""
+        return tuple((at, tuple((s.start, s.stop) for s in box)) for at, box in self)
+
+
+def target_region(layout: Layout, rank: int) -> Any:
+    """What a read job fills for ``rank``: its region, or for a flat-range layout its :class:`Boxes`."""
+    if isinstance(layout, FlatLayout):
+        return Boxes(layout.boxes(rank))
+    return layout.region(rank)
+
+
+def expand_boxes(jobs: list[tuple[ArrayMeta, Any, np.ndarray]]) -> list[tuple[ArrayMeta, Region, np.ndarray]]:
+    """Read jobs with :class:`Boxes` regions as one job per box, into views of the 1-d destination.
+
+    A box is a contiguous run of the destination (the rank's range in C order), so
+    each view is contiguous and the fetcher reads straight into it.
+    """
+    if not any(isinstance(region, Boxes) for _, region, _ in jobs):
+        return jobs
+    out = []
+    for meta, region, dest in jobs:
+        if not isinstance(region, Boxes):
+            out.append((meta, region, dest))
+            continue
+        flat = dest.reshape(-1)
+        if not np.shares_memory(flat, dest) and dest.size:
+            raise ShapeMismatchError(f"tensor {meta.name!r}: the destination of a flat range must be one "
+                                     "contiguous 1-d array")
+        for at, box in region:
+            shape = tuple(s.stop - s.start for s in box)
+            out.append((meta, box, flat[at : at + math.prod(shape)].reshape(shape)))
+    return out
 
 
 def default_gap(storage: Storage) -> int:
@@ -148,6 +194,7 @@ class Fetcher:
         Returns the counters of this call (exact also when several threads read
         through one checkpoint at once; ``self.stats`` sums every call).
         """
+        jobs = expand_boxes(jobs)
         delivered = sum(d.nbytes for _, _, d in jobs)
         if self.engine != "fast":  # the general engines do their own I/O: only deliveries are known
             from ..format.engines import read_with_engine
@@ -157,6 +204,15 @@ class Fetcher:
                 dest[...] = read_with_engine(self, meta, region)
             self.storage.count(bytes_delivered=delivered)
             return IOStats(bytes_delivered=delivered)
+        cells = [job for job in jobs if job[0].shape and not job[0].sharded]
+        if cells:  # arrays without the sharding codec: whole cells (read/cells.py), the rest as below
+            from .cells import read_cells
+
+            stats = read_cells(self, cells)
+            rest = [job for job in jobs if not (job[0].shape and not job[0].sharded)]
+            if rest:
+                stats.add(**self.read_regions(rest).as_dict())
+            return stats
         if self.locator is not None:
             return self._read_packed(jobs, delivered)
         keys = [[(shard, meta.shard_key(shard)) for shard in meta.shards_in(region)] for meta, region, _ in jobs]
@@ -229,7 +285,9 @@ class Fetcher:
         chunks lie as reshard writes them), merged per object into requests;
         then the chunk reads not served from those bytes, merged again. A small
         shard of one chunk that a job wants whole skips the first step: it is read
-        straight into the job's array (:func:`reshard.store.format.shard.execute_whole`).
+        straight into the job's array (:func:`reshard.store.format.shard.execute_whole`),
+        unless the locator read part of it already with the end of its object (then
+        the first step reads only the part before: no byte twice).
         """
         assert self.locator is not None
         root = self.root
@@ -248,7 +306,8 @@ class Fetcher:
                 if not meta.shape:
                     ranges.append((obj, off, off + n))
                 elif (len(located) == 1 and n <= self.small_shard_bytes and key not in self.indexes
-                      and key not in taken and (ends is None or ends.get(obj, off, off + n) is None)
+                      and key not in taken and (ends is None or (ends.get(obj, off, off + n) is None
+                                                                 and ends.held_from(obj, off, off + n) == off + n))
                       and (w := whole_read(meta, shard, region, dest, key, off, n)) is not None):
                     direct.setdefault(obj, []).append(w)
                     direct_jobs.add(j)

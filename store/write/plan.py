@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from reshard.layouts import Layout
+from reshard.layouts import FlatLayout, Layout
 from reshard.layouts.errors import RankError
 
 from ..format.dtypes import numpy_dtype
@@ -55,19 +55,20 @@ class RankPart:
         The shape of the rank's local piece.
     writes : bool
         Whether the rank writes any shard of its block.
-    region : tuple of slice
-        The block's global region.
+    region : tuple of slice or None
+        The block's global region (None for a flat range: its boxes are in ``shards``).
     shards : tuple
         ``(grid index, slices of the block holding the shard, its encoding)`` per shard
-        of the block the rank writes (:meth:`~reshard.store.format.meta.ArrayMeta.writer`;
+        of the block the rank writes (a flat range: a :class:`BoxCut` of the rank's 1-d
+        array in place of the slices; :func:`take` applies either) (:meth:`~reshard.store.format.meta.ArrayMeta.writer`;
         the encoding from :func:`~reshard.store.format.encode.shard_encoding`, hashed
         with the values).
     """
 
     local_shape: tuple[int, ...]
     writes: bool
-    region: tuple[slice, ...]
-    shards: tuple[tuple[tuple[int, ...], tuple[Any, ...], bytes], ...]
+    region: tuple[slice, ...] | None
+    shards: tuple[tuple[tuple[int, ...], Any, bytes], ...]
 
 
 @dataclass(frozen=True)
@@ -84,15 +85,39 @@ class TensorPlan:
         part = self.parts.get(rank)
         if part is None:
             layout, meta = self.meta.layout, self.meta
-            if rank not in layout.ranks:
+            if not layout.has_rank(rank):
                 raise RankError(f"tensor {meta.name!r}: rank {rank} is not among the layout's ranks")
-            region = layout.region(rank)
-            shards = block_shards(meta, region, rank)
+            region: tuple[slice, ...] | None = None
+            shards: tuple[tuple[tuple[int, ...], Any, bytes], ...]
+            if isinstance(layout, FlatLayout):
+                shards = tuple((idx, BoxCut(at, tuple(r.stop - r.start for r in box), within), how)
+                               for at, box in layout.boxes(rank)
+                               for idx, within, how in block_shards(meta, box, rank))
+            else:
+                region = layout.region(rank)
+                shards = block_shards(meta, region, rank)
             part = RankPart(layout.local_shape(rank), bool(shards), region, shards)
             if _cache.parts < MAX_PARTS:
                 self.parts[rank] = part
                 _cache.parts += 1  # a lost count under a race only lets a few more parts be kept
         return part
+
+
+@dataclass(frozen=True)
+class BoxCut:
+    """A shard's part of a flat-range rank's 1-d local array: box ``shape`` at ``offset``, then ``within``."""
+
+    offset: int
+    shape: tuple[int, ...]
+    within: tuple[Any, ...]
+
+
+def take(local: Any, within: Any) -> Any:
+    """``local[within]``, or the part a :class:`BoxCut` names of a flat range's 1-d array."""
+    if isinstance(within, BoxCut):
+        box = local.reshape(-1)[within.offset : within.offset + math.prod(within.shape)].reshape(within.shape)
+        return box[within.within]
+    return local[within]
 
 
 def block_shards(meta: ArrayMeta, region: tuple[slice, ...], rank: int | None = None
@@ -147,12 +172,15 @@ def array_meta(name: str, layout: Layout, dtype: str, settings: Settings) -> Arr
     # A small shard is one chunk: readers fetch it whole anyway (SMALL_SHARD_BYTES),
     # and splitting it by divisors of a prime row count would give one chunk (and crc) per row.
     target = min(settings.chunk_bytes, size if size <= SMALL_SHARD_BYTES else max(MIN_CHUNK_BYTES, size // 16))
+    chunk = inner_chunk_shape(grid.divisor(), itemsize, target)
+    if isinstance(layout, FlatLayout) and not settings.single_writer and grid.edges is not None:
+        chunk = grid.shard  # every cell its own chunk, no sharding codec (ArrayMeta.sharded; docs/format.md)
     return ArrayMeta(
         name=name,
         shape=tuple(layout.shape),
         dtype=dtype,
         shard=shard,
-        chunk=inner_chunk_shape(grid.divisor(), itemsize, target),
+        chunk=chunk,
         layout=layout,
         checksums=settings.checksums,
         compressor=settings.compression,

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-from reshard.layouts import Layout
+from reshard.layouts import Layout, all_ranks
 from reshard.layouts.errors import (
     CheckpointExistsError,
     LayoutError,
@@ -50,7 +50,7 @@ from ..io import packed, pool
 from ..io.gcpause import gc_paused
 from ..io.storage import Storage
 from .incremental import Base, Reusable, digest
-from .plan import Settings, TensorPlan, block_shards, tensor_plan
+from .plan import Settings, TensorPlan, block_shards, take, tensor_plan
 
 #: Block writers (importers, redivide), packed form: bytes held before they go out as one data object.
 BUFFER_BYTES = 256 << 20
@@ -209,7 +209,7 @@ class CheckpointWriter:
                     f"tensor {name!r} on rank {rank}: local shape {tuple(arr.shape)}, "
                     f"layout {plan.meta.layout.describe()} expects {tuple(want)}"
                 )
-        missing = [n for n in self.names() if n not in tensors and rank in self.layout(n).ranks]
+        missing = [n for n in self.names() if n not in tensors and self.layout(n).has_rank(rank)]
         if missing:
             raise LayoutError(f"rank {rank} holds {missing} by its layouts but did not pass them")
         self._check_not_written(rank)
@@ -220,7 +220,8 @@ class CheckpointWriter:
         mine = [(p, tensors[n]) for n, p in sorted(plans.items(), key=_geometry) if p.at(rank).writes]
         if self.form == "packed":  # one object: the shards back to back, then the manifest
             reuse = self.base.for_rank(rank) if self.base is not None else Reusable()
-            order = [(p.meta, idx, arr[within], how) for p, arr in mine for idx, within, how in p.at(rank).shards]
+            order = [(p.meta, idx, take(arr, within), how) for p, arr in mine
+                     for idx, within, how in p.at(rank).shards]
             blobs = self._encode(order, reuse)
             found = {key: reuse.find(key, sha) for key, parts, sha in blobs if parts is None}
             fresh = [(key, parts) for key, parts, _ in blobs if parts is not None]
@@ -295,10 +296,10 @@ class CheckpointWriter:
         self._json_manifests = True
         records = {**self._located, **(located or {})}
         hashes = {k: v for k, v in self._hashes.items() if k in records}
-        ranks = sorted(set().union(*(m.layout.ranks for m in metas.values()))) or [0]
+        ranks = sorted(all_ranks(m.layout for m in metas.values())) or [0]
         stored = json_leaves(leaves)
         for rank in ranks:
-            held = {n: m for n, m in metas.items() if rank in m.layout.ranks}
+            held = {n: m for n, m in metas.items() if m.layout.has_rank(rank)}
             manifest = rank_manifest(rank, self.save_id, held, stored)
             if self.form == "packed":
                 manifest["packed"] = records if rank == ranks[0] else {}
@@ -310,18 +311,22 @@ class CheckpointWriter:
         """The shards of a block: (record, grid index, the shard's part of ``local``, its encoding) each."""
         return [(meta, idx, local[within], how) for idx, within, how in block_shards(meta, region)]
 
-    def _shard_jobs(self, meta: ArrayMeta, region: tuple[slice, ...], local: np.ndarray,
+    def _shard_jobs(self, meta: ArrayMeta, region: tuple[slice, ...] | None, local: np.ndarray,
                     shards: tuple[Any, ...] | None = None) -> list[Any]:
-        """Jobs writing the shards of a block (``shards``: only these, as :meth:`TensorPlan.at` gives them)."""
-        shards = block_shards(meta, region) if shards is None else shards
+        """Jobs writing the shards of a block (``shards``: only these, as :meth:`TensorPlan.at` gives them;
+        a flat range has no one ``region``: its shards are given)."""
+        if shards is None:
+            assert region is not None
+            shards = block_shards(meta, region)
         if self.engine == "tensorstore" and meta.shape:
             from ..format.engines import write_with_tensorstore
 
-            if len(shards) == len(block_shards(meta, region)):  # the whole block: one write
+            if region is not None and len(shards) == len(block_shards(meta, region)):  # the whole block: one write
                 return [lambda: write_with_tensorstore(self.storage, meta, region, local)]
             return [functools.partial(write_with_tensorstore, self.storage, meta, meta.shard_region(idx),
-                                      local[within]) for idx, within, _ in shards]
-        return [functools.partial(_write_shard, self.storage, meta, idx, local[within]) for idx, within, _ in shards]
+                                      take(local, within)) for idx, within, _ in shards]
+        return [functools.partial(_write_shard, self.storage, meta, idx, take(local, within))
+                for idx, within, _ in shards]
 
     def _encode(self, shards: list[tuple[ArrayMeta, tuple[int, ...], np.ndarray, bytes]],
                 reuse: Reusable | None = None) -> list[tuple[str, Any, str]]:
@@ -357,9 +362,9 @@ class CheckpointWriter:
         """
         names = self.names()
         if ranks is None and names:
-            ranks = sorted(set().union(*(self.layout(n).ranks for n in names)))
+            ranks = sorted(all_ranks(self.layout(n) for n in names))
         elif ranks is not None and names:
-            ranks = sorted(set(ranks).union(*(self.layout(n).ranks for n in names)))
+            ranks = sorted(set(ranks) | all_ranks(self.layout(n) for n in names))
         # where the manifests are: a packed rank's in its data object; write_manifests' as JSON
         form = None if self._json_manifests else self.form
         return commit(self.root, save_id=self.save_id, ranks=ranks, known=self._known, **{"form": form, **options})

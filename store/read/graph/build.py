@@ -36,7 +36,7 @@ from ...format.meta import ArrayMeta
 from ...format.tree import LayoutSpec, unflatten
 from ...io.stats import IOStats
 from ...io.storage import Storage
-from ..fetch import Fetcher
+from ..fetch import Boxes, Fetcher, target_region
 from .schedule import (
     DEFAULT_FUSE_BYTES,
     fuse,
@@ -170,6 +170,8 @@ class ReadOp:
 
     @property
     def shape(self) -> tuple[int, ...]:
+        if isinstance(self.region, Boxes):  # a flat range: one 1-d array
+            return (self.region.size,)
         return tuple(r.stop - r.start for r in self.region)
 
     @property
@@ -374,8 +376,9 @@ def _plan_loads(ckpt: Checkpoint, layouts: LayoutSpec, ranks: list[int], names: 
         for r in ranks:
             if r not in members:
                 continue
-            region = layout.region(r)
-            key = tuple((s.start, s.stop) for s in region) if reuse else r
+            region = target_region(layout, r)
+            key = (region.key() if isinstance(region, Boxes) else tuple((s.start, s.stop) for s in region)) if reuse \
+                else r
             by_region.setdefault(key, (region, []))[1].append(r)
         for region, owners in by_region.values():
             op = ReadOp(meta, region)

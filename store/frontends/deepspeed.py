@@ -1,0 +1,332 @@
+"""DeepSpeed ZeRO checkpoints in and out, read in place (no DeepSpeed import, no offline conversion pass).
+
+A ZeRO-1/2/3 checkpoint (``engine.save_checkpoint(dir, tag)``) is, in
+``dir/tag``, the model states (``mp_rank_00_model_states.pt``; ZeRO-3:
+``zero_pp_rank_<r>_mp_rank_00_model_states.pt``) and one optimizer file per
+data-parallel rank, ``zero_pp_rank_<r>_mp_rank_00_optim_states.pt``, whose
+flat fp32 partition and Adam moments are that rank's part of each parameter
+group's flat buffer. :func:`import_deepspeed` reads the parameter shapes and
+the partition facts, gives every parameter a
+:class:`~reshard.layouts.FlatLayout` (:class:`~reshard.layouts.FlatBuffer`:
+DeepSpeed's own cut, see :mod:`reshard.layouts.flatbuf`) and writes
+
+* ``module.<name>``: the module's weights and buffers as saved (ZeRO-1/2),
+* ``optimizer.fp32.<name>``, ``optimizer.<state>.<name>`` (``exp_avg``,
+  ``exp_avg_sq``...): each parameter's fp32 master copy and optimizer state, under
+  its flat layout, so a load reads any rank's range of another DP size directly,
+* the leaf ``deepspeed``: what :func:`export_deepspeed` needs to write the files
+  back for another DP size (groups, names, shapes, paddings, steps, hyper-parameters,
+  the model states' plain entries).
+
+The ``.pt`` files are read with torch's restricted unpickler
+(:func:`reshard.store.frontends.pt_files.load_pt`): DeepSpeed's classes become
+inert stand-ins, nothing of theirs runs. With bf16 training the optimizer files
+are ``bf16_zero_pp_rank_*`` (ZeRO-1, DeepSpeed's ``BF16_Optimizer`` or its ZeRO
+optimizer: the same partition rule); the prefix is kept for the export. Model
+parallelism (``mp_rank_01``...) is refused, naming the file.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from reshard.layouts import FlatBuffer, FlatLayout, Layout
+from reshard.layouts.errors import CheckpointNotFoundError, FormatError, UnsupportedError
+
+from ..format.torch_arrays import to_numpy
+from ..write.writer import create, single_process
+from .pt_files import Stub, load_pt
+from .sources import local_path, refuse_empty
+
+OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+
+
+def tag_folder(src: str, tag: str | None = None) -> str:
+    """The folder of one save: ``src/tag``, ``src/<latest>``, or ``src`` itself when it holds the files."""
+    src = local_path(src)
+    if tag is not None:
+        return os.path.join(src, tag)
+    latest = os.path.join(src, "latest")
+    if not any(OPTIM.match(f) for f in _listdir(src)) and os.path.isfile(latest):
+        with open(latest) as f:
+            return os.path.join(src, f.read().strip())
+    return src
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return sorted(os.listdir(path))
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{path}: no such folder") from None
+
+
+def _plain(value: Any) -> Any:
+    """A pickled value as JSON-able data: 0-d tensors become numbers, stand-ins their fields; larger tensors
+    are refused (TypeError)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        if value.ndim == 0:
+            return value.item()
+        raise TypeError(f"a tensor of shape {list(value.shape)}")
+    if isinstance(value, Stub):
+        return {"stub": value.qualname, "args": _plain(list(value.args)), "state": _plain(value.state)}
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted(_plain(v) for v in value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"a {type(value).__name__}")
+
+
+def _stage(osd: Mapping[str, Any], where: str, bf16: bool = False) -> int:
+    if bf16 and "zero_stage" not in osd:
+        return 1  # BF16_Optimizer: ZeRO-1's partition, no stage recorded
+    stage = osd.get("zero_stage")
+    if isinstance(stage, Stub):
+        stage = stage.field("value", 0)
+    if stage not in (1, 2, 3):
+        raise FormatError(f"{where}: zero_stage {stage!r} is not 1, 2 or 3")
+    return int(stage)
+
+
+def group_buffer(stage: int, shapes: list[tuple[int, ...]], dp: int, paddings: list[int] | None = None) -> FlatBuffer:
+    """DeepSpeed's flat buffer of one parameter group over ``dp`` ranks (see :mod:`reshard.layouts.flatbuf`).
+
+    ZeRO-1/2: parameters back to back (``paddings[i]`` elements after parameter
+    ``i``, DeepSpeed's optional 16-byte alignment), the end padded to ``2 * dp``,
+    equal parts. ZeRO-3: each parameter cut on its own.
+    """
+    if stage == 3:
+        return FlatBuffer.per_tensor(shapes, range(dp))
+    offsets, at = [], 0
+    for shape, pad in zip(shapes, paddings or [0] * len(shapes), strict=True):
+        offsets.append(at)
+        at += math.prod(shape) + int(pad)
+    return FlatBuffer.partitioned(shapes, range(dp), offsets=offsets, pad_to=2 * dp)
+
+
+class DeepSpeedFiles:
+    """The files of one ZeRO save, read (each optimizer file once) and checked."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        files = _listdir(folder)
+        found = {}
+        prefixes = set()
+        for name in files:
+            m = OPTIM.match(name)
+            if m is None:
+                continue
+            prefixes.add(m.group(1) or "")
+            if int(m.group(3)) != 0:
+                raise UnsupportedError(f"{folder}: {name} is model-parallel rank {int(m.group(3))}; reshard imports "
+                                       "data-parallel ZeRO saves (mp_rank_00) only")
+            found[int(m.group(2))] = os.path.join(folder, name)
+        if not found:
+            raise CheckpointNotFoundError(f"{folder}: no zero_pp_rank_*_mp_rank_00_optim_states.pt files: not a "
+                                          "DeepSpeed ZeRO checkpoint (pass the tag folder, or a folder with 'latest')")
+        if len(prefixes) > 1:
+            raise FormatError(f"{folder}: both bf16_zero_pp_rank_* and zero_pp_rank_* optimizer files: two saves "
+                              "mixed in one folder")
+        #: ``"bf16_"`` for the bf16 optimizer's file names, else ``""``.
+        self.prefix = prefixes.pop()
+        self.dp = len(found)
+        if sorted(found) != list(range(self.dp)):
+            raise FormatError(f"{folder}: optimizer files of data-parallel ranks {sorted(found)}: some are missing")
+        states = [f for f in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt") if f in files]
+        if not states:
+            raise FormatError(f"{folder}: no model states file (mp_rank_00_model_states.pt)")
+        self.model = load_pt(os.path.join(folder, states[0]))
+        self.optim = [load_pt(found[r]) for r in range(self.dp)]
+        self.osd: list[Mapping[str, Any]] = []
+        for r, o in enumerate(self.optim):
+            osd = o.get("optimizer_state_dict") if isinstance(o, Mapping) else None
+            if not isinstance(osd, Mapping):
+                raise FormatError(f"{found[r]}: no 'optimizer_state_dict' in it")
+            self.osd.append(osd)
+        self.stage = _stage(self.osd[0], found[0], bf16=bool(self.prefix))
+        if self.model.get("dp_world_size", self.dp) != self.dp:
+            raise FormatError(f"{folder}: the model states say {self.model.get('dp_world_size')} data-parallel "
+                              f"ranks, the folder holds {self.dp} optimizer files")
+        self.shapes = [[(str(n), tuple(int(x) for x in s)) for n, s in g.items()]
+                       for g in self.model.get("param_shapes") or []]
+        if not self.shapes:
+            raise FormatError(f"{folder}: the model states hold no param_shapes")
+
+    def fp32(self, rank: int) -> list[Any]:
+        osd = self.osd[rank]
+        return list(osd["fp32_flat_groups"] if self.stage == 3 else osd["single_partition_of_fp32_groups"])
+
+    def base(self, rank: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Per group: the optimizer state (``exp_avg``... and ``step``) and the hyper-parameters."""
+        osd = self.osd[rank]
+        base = osd["optimizer_state_dict" if self.stage == 3 else "base_optimizer_state"]
+        if isinstance(base, list):  # an elastic checkpoint: per group, padding removed
+            return base, [{} for _ in base]
+        state = base.get("state", {})
+        groups = base.get("param_groups", [])
+        return [state.get(g, {}) for g in range(len(self.shapes))], [dict(g) for g in groups]
+
+    def buffers(self) -> list[FlatBuffer]:
+        """Each group's :class:`FlatBuffer`, checked against the partitions the files hold."""
+        out = []
+        paddings = self.osd[0].get("param_alignment_paddings") if self.stage != 3 else None
+        for g, named in enumerate(self.shapes):
+            buf = group_buffer(self.stage, [s for _, s in named], self.dp, paddings[g] if paddings else None)
+            for r in range(self.dp):
+                fp32 = self.fp32(r)
+                if g >= len(fp32):
+                    raise FormatError(f"{self.folder}: rank {r} holds {len(fp32)} parameter groups, the model "
+                                      f"states {len(self.shapes)}")
+                need = max((off + b - a for off, _, a, b in buf.part(r).segments), default=0)
+                if fp32[g].numel() < need or fp32[g].numel() > buf.part(r).size:
+                    raise FormatError(f"{self.folder}: rank {r} group {g} holds {fp32[g].numel()} fp32 elements; "
+                                      f"DeepSpeed's partition of {[list(s) for _, s in named]} over {self.dp} ranks "
+                                      f"gives {need} to {buf.part(r).size}")
+                self._check_mappings(r, g, named, buf)
+            out.append(buf)
+        return out
+
+    def _check_mappings(self, rank: int, g: int, named: list[tuple[str, tuple[int, ...]]], buf: FlatBuffer) -> None:
+        maps = self.osd[rank].get("param_slice_mappings")
+        if not maps or g >= len(maps):
+            return
+        want = {named[t][0]: (off, b - a) for off, t, a, b in buf.part(rank).segments}
+        got = {str(k): (int(v.field("start", 1)), int(v.field("numel", 0))) if isinstance(v, Stub) else None
+               for k, v in maps[g].items()}
+        if got != want:
+            raise FormatError(f"{self.folder}: rank {rank} group {g}: DeepSpeed's param_slice_mappings {got} differ "
+                              f"from the partition reshard computes {want}")
+
+
+def import_deepspeed(src: str, dst: str, *, tag: str | None = None, **options: Any) -> dict[str, Any]:
+    """Convert a DeepSpeed ZeRO-1/2/3 checkpoint into a reshard checkpoint (see the module docstring).
+
+    Parameters
+    ----------
+    src : str
+        The folder given to ``save_checkpoint`` (its ``latest`` names the tag), or a tag folder.
+    dst : str
+        The new checkpoint.
+    tag : str, optional
+        The save to import (default: ``latest``).
+    **options
+        As for :func:`reshard.store.create`.
+
+    Returns
+    -------
+    dict
+        ``{"tensors", "bytes", "stage", "dp", "skipped"}``; ``skipped`` names model-state
+        entries that are not JSON (left out of the ``deepspeed`` leaf).
+    """
+    ds = DeepSpeedFiles(tag_folder(src, tag))
+    buffers = ds.buffers()
+    origin = {"framework": "deepspeed", "zero_stage": ds.stage}
+    layouts: dict[str, Layout] = {}
+    arrays: dict[str, Any] = {}  # name -> (layout, list of (rank, local array, offset)) or a whole array
+    groups: list[dict[str, Any]] = []
+    bases = [ds.base(r) for r in range(ds.dp)]
+    fp32 = [ds.fp32(r) for r in range(ds.dp)]
+    for g, (named, buf) in enumerate(zip(ds.shapes, buffers, strict=True)):
+        state0, hyper = bases[0][0][g], bases[0][1]
+        keys = sorted(k for k, v in state0.items() if getattr(v, "ndim", 0) == 1)
+        step = {k: _plain(v) for k, v in state0.items() if k not in keys}
+        for t, (name, _) in enumerate(named):
+            lay = buf.layout(t, origin)
+            sources = {"fp32": [fp32[r][g] for r in range(ds.dp)]}
+            sources.update({k: [bases[r][0][g][k] for r in range(ds.dp)] for k in keys})
+            for what, per_rank in sources.items():
+                full = f"optimizer.{what}.{name}"
+                layouts[full] = lay
+                arrays[full] = (t, buf, per_rank)
+        recorded = ds.osd[0].get("param_alignment_paddings") if ds.stage != 3 else None
+        hyper_g = hyper[g] if g < len(hyper) else {}
+        groups.append({"names": [n for n, _ in named], "shapes": [list(s) for _, s in named],
+                       "paddings": [int(p) for p in recorded[g]] if recorded else [0] * len(named),
+                       "states": keys, "scalars": step,
+                       "hyper": _plain({k: v for k, v in hyper_g.items() if k != "params"})})
+    module = ds.model.get("module") or {}
+    wanted = {n: s for named in ds.shapes for n, s in named}
+    for name, value in module.items():
+        if ds.stage == 3 and name in wanted and tuple(value.shape) != wanted[name]:
+            continue  # ZeRO-3: a partitioned parameter's placeholder; its values are the fp32 copy
+        arr = to_numpy(value.detach().contiguous())
+        layouts[f"module.{name}"] = Layout.single(arr.shape)
+        arrays[f"module.{name}"] = arr
+    refuse_empty("DeepSpeed", ds.folder, len(layouts))
+    leaves, skipped = _leaves(ds, groups)
+    writer = create(dst, layouts, **single_process(options))
+    metas = {}
+    total = 0
+    for name, lay in layouts.items():
+        data = arrays.pop(name)
+        if not isinstance(lay, FlatLayout):
+            metas[name] = meta = writer.meta(name, lay, _dtype(data))
+            writer.write_block(meta, tuple(slice(0, n) for n in data.shape), data)
+            total += data.nbytes
+            continue
+        t, buf, per_rank = data
+        whole = _gather(name, lay, t, buf, per_rank)
+        metas[name] = meta = writer.meta(name, lay, _dtype(whole), single_writer=True)
+        writer.write_block(meta, tuple(slice(0, n) for n in whole.shape), whole)
+        total += whole.nbytes
+    writer.write_manifests(metas, leaves)
+    writer.commit()
+    return {"tensors": len(layouts), "bytes": total, "stage": ds.stage, "dp": ds.dp, "skipped": skipped}
+
+
+def _dtype(arr: np.ndarray) -> str:
+    from ..format.dtypes import dtype_name
+
+    return dtype_name(arr.dtype)
+
+
+def _gather(name: str, lay: FlatLayout, t: int, buf: FlatBuffer, per_rank: list[Any]) -> np.ndarray:
+    """A parameter's whole array from each rank's flat partition (its segment of the group's buffer)."""
+    first = to_numpy(per_rank[0].detach())
+    out = np.empty(math.prod(lay.shape), dtype=first.dtype)
+    for r in lay.ranks:
+        local = to_numpy(per_rank[r].detach()).reshape(-1)
+        segments = [s for s in buf.part(r).segments if s[1] == t]
+        if not segments:
+            continue  # an empty tensor's (empty) range
+        (off, _, a, b), = segments
+        if local.size < off + b - a or local.dtype != out.dtype:
+            raise FormatError(f"{name}: rank {r}'s partition is {local.dtype}[{local.size}], its range needs "
+                              f"{out.dtype}[{off + b - a}]")
+        out[a:b] = local[off : off + b - a]
+    return out.reshape(lay.shape)
+
+
+def _leaves(ds: DeepSpeedFiles, groups: list[dict[str, Any]]) -> tuple[dict[str, Any], list[str]]:
+    skipped = []
+    model: dict[str, Any] = {}
+    for key, value in ds.model.items():
+        if key in ("module", "optimizer", "param_shapes"):
+            continue
+        try:
+            model[key] = _plain(value)
+        except TypeError:
+            skipped.append(key)
+    osd = ds.osd[0]
+    optim = {}
+    for key in ("dynamic_loss_scale", "overflow", "clip_grad", "ds_version", "loss_scaler"):
+        if key in osd:
+            try:
+                optim[key] = _plain(osd[key])
+            except TypeError:
+                skipped.append(f"optimizer_state_dict.{key}")
+    info = {"stage": ds.stage, "dp": ds.dp, "file_prefix": ds.prefix, "groups": groups, "model_states": model,
+            "optimizer": optim,
+            "ds_config": _plain(ds.optim[0].get("ds_config")) if "ds_config" in ds.optim[0] else None,
+            "ds_version": _plain(ds.optim[0].get("ds_version"))}
+    return {"deepspeed": info}, skipped

@@ -1,0 +1,211 @@
+"""Megatron-Core ``dist_checkpointing`` saves (the ``torch_dist`` format) into reshard checkpoints.
+
+A ``torch_dist`` save is a torch DCP folder (``.metadata``, ``__<rank>_<n>.distcp``)
+plus ``metadata.json`` (``{"sharded_backend": "torch_dist", ...}``) and
+``common.pt`` (the state every rank shares). Its tensors are Megatron
+``ShardedTensor`` s: regular ones are stored as DCP chunks in their own shape
+(tensor-parallel blocks: an explicit layout, as :func:`reshard.store.frontends.dcp.import_dcp`
+gives), and the distributed optimizer's state in its ``fully_sharded_model_space``
+form holds, per data-parallel rank, a ``flattened_range`` of every
+tensor-parallel local block. Megatron stores such a tensor of global shape
+``[X, Y]`` with local blocks ``[x, y]`` as a DCP array ``[X // x, Y // y, x * y]``
+whose last axis the ranges cut, and records the original shape in the
+metadata's ``mcore_data`` (``nd_reformulated_orig_global_shape``).
+:func:`import_megatron` turns each such array back into the tensor in its own
+shape under a :class:`~reshard.layouts.FlatLayout`: chunk ``i`` (offsets
+``(*block index, start)``, sizes ``(1, ..., 1, n)``) is rank ``i``'s range
+``[start, start + n)`` of the block at ``block index * [x, y]``. Loading any
+rank of another data-parallel or tensor-parallel size then reads only what it
+needs, and reading a tensor whole integrates it.
+
+``.metadata`` is read with the DCP import's restricted unpickler, Megatron's
+own classes (its save plan) becoming inert stand-ins; items and ``common.pt``
+with ``torch.load(weights_only=True)``. torch is imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import warnings
+from typing import Any
+
+import numpy as np
+from reshard.layouts import FlatLayout, Layout
+from reshard.layouts.errors import CheckpointNotFoundError, FormatError, UnsupportedError
+
+from ..format.tree import to_json
+from ..io.storage import Storage
+from ..write.writer import create, single_process
+from .dcp import _dcp_item, _DCPMetadataUnpickler, _regroup
+from .pt_files import load_pt, stub_class
+from .sources import local_path, refuse_empty
+
+
+class _MegatronMetadataUnpickler(_DCPMetadataUnpickler):
+    """The DCP metadata unpickler, plus inert stand-ins for Megatron's classes and DCP's plan records."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module.startswith("megatron.") or module == "torch.distributed.checkpoint.planner":
+            return stub_class(f"{module}.{name}")
+        return super().find_class(module, name)
+
+
+def read_megatron_metadata(data: bytes) -> Any:
+    """Decode a ``torch_dist`` ``.metadata`` file (restricted: see the module docstring)."""
+    import pickle
+
+    try:
+        return _MegatronMetadataUnpickler(io.BytesIO(data)).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
+        raise FormatError(f"not a readable torch_dist .metadata file: {e}") from None
+
+
+def flat_layout(name: str, shape: tuple[int, ...], stored: tuple[int, ...], chunks: list[Any]) -> FlatLayout:
+    """The flat layout of a tensor Megatron stored N-d flattened (see the module docstring).
+
+    ``shape`` is the original global shape, ``stored`` the DCP array's shape
+    ``(*fragments, prod(local shape))``, ``chunks`` its DCP chunks (``offsets``,
+    ``sizes``); chunk ``i`` becomes rank ``i``.
+
+    Raises
+    ------
+    FormatError
+        When the stored array does not match the original shape that way.
+    """
+    frags, numel = stored[:-1], stored[-1] if stored else 0
+    if len(frags) != len(shape) or any(f < 1 or n % f for n, f in zip(shape, frags, strict=True)):
+        raise FormatError(f"tensor {name!r}: stored as {list(stored)}, which is not [fragments..., block] of its "
+                          f"original shape {list(shape)}")
+    block = tuple(n // f for n, f in zip(shape, frags, strict=True))
+    if math.prod(block) != numel:
+        raise FormatError(f"tensor {name!r}: stored rows of {numel} elements, but its blocks {list(block)} hold "
+                          f"{math.prod(block)}")
+    ranges = []
+    for i, chunk in enumerate(chunks):
+        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+        if len(offsets) != len(stored) or any(s != 1 for s in sizes[:-1]):
+            raise FormatError(f"tensor {name!r}: chunk {list(offsets)} of sizes {list(sizes)} is not a flat range")
+        index = offsets[:-1]
+        ranges.append((i, tuple(k * b for k, b in zip(index, block, strict=True)), block, offsets[-1],
+                       offsets[-1] + sizes[-1], 0))
+    try:
+        return FlatLayout.from_ranges(shape, ranges, {"framework": "megatron", "stored_shape": list(stored)})
+    except (ValueError, TypeError) as e:
+        raise FormatError(f"tensor {name!r}: its flattened ranges do not describe the tensor: {e}") from None
+
+
+def import_megatron(src: str, dst: str, **options: Any) -> dict[str, Any]:
+    """Convert a Megatron-Core ``torch_dist`` checkpoint folder into a reshard checkpoint.
+
+    Tensors keep their names; flattened optimizer state becomes the tensor in
+    its own shape under a :class:`~reshard.layouts.FlatLayout`, regular tensors
+    keep their chunks as an explicit layout. Non-tensor items (ShardedObjects) and
+    ``common.pt``'s entries (under ``common.``) become JSON leaves when they are
+    JSON (others are skipped, named in the result). One tensor in memory at a time.
+
+    Returns
+    -------
+    dict
+        ``{"tensors", "flat", "leaves", "bytes", "skipped"}``.
+    """
+    from ..format.torch_arrays import to_numpy
+
+    folder = local_path(src)
+    store = Storage(folder)
+    try:
+        backend = json.loads(store.read("metadata.json"))
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{folder}: no metadata.json: not a Megatron dist_checkpointing save") from None
+    except ValueError as e:
+        raise FormatError(f"{folder}/metadata.json is not JSON: {e}") from None
+    kind = backend.get("sharded_backend") if isinstance(backend, dict) else backend
+    if kind != "torch_dist":
+        raise UnsupportedError(f"{folder}: sharded_backend {kind!r} is not 'torch_dist' (the zarr backend is not "
+                               "imported)")
+    try:
+        md = read_megatron_metadata(store.read(".metadata"))
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{folder}: no .metadata: the torch_dist save is incomplete") from None
+    mcore = getattr(md, "mcore_data", None) or {}
+    where = {(idx.fqn, None if idx.offset is None else tuple(idx.offset)): info
+             for idx, info in md.storage_data.items()}
+    layouts: dict[str, Layout] = {}
+    dtypes: dict[str, str] = {}
+    items: dict[str, Any] = {}
+    skipped: list[str] = []
+    for fqn, item in md.state_dict_metadata.items():
+        if not hasattr(item, "chunks"):
+            try:
+                items[fqn] = to_json(_dcp_item(store, where[(fqn, None)], f"item {fqn!r}"), fqn)
+            except TypeError as e:
+                warnings.warn(f"import_megatron: skipping {fqn!r}: {e}", stacklevel=2)
+                skipped.append(fqn)
+            continue
+        stored = tuple(int(n) for n in item.size)
+        orig = (mcore.get(fqn) or {}).get("nd_reformulated_orig_global_shape")
+        if orig is not None:
+            layouts[fqn] = flat_layout(fqn, tuple(int(n) for n in orig), stored, list(item.chunks))
+        else:
+            blocks = [(i, tuple(c.offsets), tuple(c.sizes), 0) for i, c in enumerate(item.chunks)]
+            layouts[fqn] = Layout.from_blocks(stored, blocks)
+        dtypes[fqn] = str(item.properties.dtype).removeprefix("torch.")
+    leaves = _regroup(items, getattr(md, "planner_data", None) or {}, layouts)
+    if os.path.isfile(os.path.join(folder, "common.pt")):
+        common = load_pt(os.path.join(folder, "common.pt"), prefixes=("megatron.", "argparse."))
+        for key, value in (common.items() if isinstance(common, dict) else ()):
+            try:
+                leaves[f"common.{key}"] = to_json(_plain(value), key)
+            except TypeError:
+                skipped.append(f"common.{key}")
+    refuse_empty("Megatron torch_dist", folder, len(layouts), f" (found {len(items)} other items)")
+    writer = create(dst, layouts, **single_process(options))
+    metas = {}
+    total = 0
+    for fqn, lay in layouts.items():
+        flat = isinstance(lay, FlatLayout)
+        metas[fqn] = meta = writer.meta(fqn, lay, dtypes[fqn], single_writer=flat)
+        if not flat:
+            for chunk in md.state_dict_metadata[fqn].chunks:
+                offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+                array = _chunk(store, where, fqn, offsets, sizes, to_numpy)
+                writer.write_block(meta, tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True)), array)
+                total += array.nbytes
+            continue
+        assert isinstance(lay, FlatLayout)
+        whole = np.empty(lay.shape, dtype=meta.np_dtype)
+        pieces: dict[tuple[int, ...], np.ndarray] = {}
+        for chunk, (_, off, block, start, stop, _) in zip(md.state_dict_metadata[fqn].chunks, lay.ranges,
+                                                          strict=True):
+            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+            array = _chunk(store, where, fqn, offsets, sizes, to_numpy)
+            pieces.setdefault(off, np.empty(math.prod(block), dtype=meta.np_dtype))[start:stop] = array.reshape(-1)
+        for (_, off, block, _, _, _) in lay.ranges:
+            if off in pieces:
+                whole[tuple(slice(o, o + b) for o, b in zip(off, block, strict=True))] = pieces.pop(off).reshape(block)
+        writer.write_block(meta, tuple(slice(0, n) for n in lay.shape), whole)
+        total += whole.nbytes
+    writer.write_manifests(metas, leaves)
+    writer.commit()
+    return {"tensors": len(layouts), "flat": sum(isinstance(x, FlatLayout) for x in layouts.values()),
+            "leaves": len(leaves), "bytes": total, "skipped": skipped}
+
+
+def _chunk(store: Storage, where: dict[Any, Any], fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...],
+           to_numpy: Any) -> np.ndarray:
+    info = where.get((fqn, offsets))
+    if info is None:
+        raise FormatError(f"{store.url}: chunk {list(offsets)} of {fqn!r} has no storage entry in .metadata")
+    tensor = _dcp_item(store, info, f"chunk {list(offsets)} of {fqn!r}")
+    if tuple(tensor.shape) != sizes:
+        raise FormatError(f"{store.url}: chunk {list(offsets)} of {fqn!r} has shape {list(tensor.shape)}, the "
+                          f"metadata says {list(sizes)}")
+    return np.asarray(to_numpy(tensor))
+
+
+def _plain(value: Any) -> Any:
+    from .deepspeed import _plain as plain
+
+    return plain(value)

@@ -1,0 +1,299 @@
+"""DeepSpeed ZeRO checkpoints: import, redivide to another DP size, export, load back.
+
+Two kinds of tests:
+
+* **Files built here to DeepSpeed's documented layout** (always run): the test
+  writes ZeRO-1/2 and ZeRO-3 saves itself with ``torch.save``, following
+  DeepSpeed's rules (stated in reshard.layouts.flatbuf and below, computed here
+  with numpy independently of reshard's layouts), DeepSpeed's classes named in
+  the pickles as DeepSpeed writes them.
+* **The real framework** (skipped when absent): DeepSpeed trains on gloo ranks
+  and saves, reshard imports, redivides and exports for another DP size,
+  DeepSpeed loads that on its ranks and saves again, and every tensor equals the
+  first save's. DeepSpeed runs in the interpreter named by
+  ``RESHARD_DEEPSPEED_PYTHON`` (default: this one), through tests/dsjob.py; the
+  test is skipped when that interpreter cannot import deepspeed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import reshard.store as rs
+import torch
+from reshard.layouts import FlatLayout, Layout
+from reshard.layouts.errors import CheckpointNotFoundError, FormatError, UnsupportedError
+from reshard.store.frontends.deepspeed import group_buffer, import_deepspeed
+from reshard.store.frontends.deepspeed_export import PICKLE, Foreign, export_deepspeed
+from reshard.store.ops.redivide import local_part
+
+RNG = np.random.default_rng(27)
+GROUPS = [[("embed.weight", (37, 12)), ("proj.weight", (7, 12)), ("head.weight", (5, 7))],
+          [("proj.bias", (7,)), ("norm.weight", (7,)), ("norm.bias", (7,))]]
+STATES = ("exp_avg", "exp_avg_sq")
+
+
+def stub(qualname: str, args: tuple = (), state: object = None) -> Foreign:
+    module, name = qualname.rsplit(".", 1)
+    return Foreign(module, name, args, state)
+
+
+def reference_parts(stage: int, shapes: list[tuple[int, ...]], dp: int) -> list[list[tuple[int, int, int, int]]]:
+    """DeepSpeed's partition, from its rules: per rank, (local offset, tensor, start, stop) segments, and the
+    partition size as a last entry (-1, size, 0, 0)."""
+    numels = [math.prod(s) for s in shapes]
+    out: list[list[tuple[int, int, int, int]]] = [[] for _ in range(dp)]
+    if stage == 3:  # each parameter alone: ceil(numel / dp) per rank, concatenated, padded
+        for r in range(dp):
+            at = 0
+            for t, n in enumerate(numels):
+                step = -(-n // dp)
+                a, b = min(r * step, n), min((r + 1) * step, n)
+                if a < b:
+                    out[r].append((at, t, a, b))
+                at += step
+            out[r].append((-1, at, 0, 0))
+        return out
+    total = sum(numels)
+    total += -total % (2 * dp)  # nccl_start_alignment_factor (2) * dp
+    size = total // dp
+    starts = np.cumsum([0, *numels])
+    for r in range(dp):
+        lo, hi = r * size, (r + 1) * size
+        for t in range(len(shapes)):
+            a, b = max(lo, starts[t]), min(hi, starts[t + 1])
+            if a < b:
+                out[r].append((int(a - lo), t, int(a - starts[t]), int(b - starts[t])))
+        out[r].append((-1, size, 0, 0))
+    return out
+
+
+def build_save(folder: Path, stage: int, dp: int, prefix: str = "") -> dict[str, np.ndarray]:
+    """A ZeRO save as DeepSpeed lays it out; returns every tensor by the name reshard gives it. ``prefix="bf16_"``:
+    the bf16 optimizer's files (ZeRO-1, no ``zero_stage`` recorded)."""
+    folder.mkdir(parents=True)
+    full = {}
+    for named in GROUPS:
+        for name, shape in named:
+            for what in ("fp32", *STATES):
+                full[f"optimizer.{what}.{name}"] = RNG.standard_normal(shape).astype(np.float32)
+            full[f"module.{name}"] = full[f"optimizer.fp32.{name}"]
+    for r in range(dp):
+        fp32, state, maps, paddings = [], {}, [], []
+        for g, named in enumerate(GROUPS):
+            parts = reference_parts(stage, [s for _, s in named], dp)[r]
+            size = parts[-1][1]
+            vec = {w: np.zeros(size, np.float32) for w in ("fp32", *STATES)}
+            mapping = {}
+            for off, t, a, b in parts[:-1]:
+                for w in vec:
+                    vec[w][off:off + b - a] = full[f"optimizer.{w}.{named[t][0]}"].reshape(-1)[a:b]
+                mapping[named[t][0]] = stub("deepspeed.utils.tensor_fragment.fragment_address", (),
+                                            {"numel": b - a, "start": off})
+            content = sum(math.prod(s) for _, s in named)
+            pad = size * dp - content if (stage != 3 and r == dp - 1) else 0
+            fp32.append(torch.from_numpy(vec["fp32"][:size - pad]))
+            state[g] = {"step": torch.tensor(2.0), **{w: torch.from_numpy(vec[w]) for w in STATES}}
+            maps.append(mapping)
+            paddings.append(pad)
+        groups = [{"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1 * (g == 0), "params": [g]}
+                  for g in range(len(GROUPS))]
+        common = {"loss_scaler": stub("deepspeed.runtime.fp16.loss_scaler.LossScaler", (),
+                                      {"cur_scale": 1.0, "dynamic": False}),
+                  "dynamic_loss_scale": False, "overflow": False,
+                  "zero_stage": stub("deepspeed.runtime.zero.config.ZeroStageEnum", (stage,))}
+        if stage == 3:
+            osd = {**common, "partition_count": dp, "optimizer_state_dict": {"state": state, "param_groups": groups},
+                   "fp32_flat_groups": fp32}
+        else:
+            osd = {**common, "clip_grad": 1.0, "base_optimizer_state": {"state": state, "param_groups": groups},
+                   "single_partition_of_fp32_groups": fp32, "group_paddings": paddings,
+                   "param_alignment_paddings": [[0] * len(n) for n in GROUPS],
+                   "partition_count": [dp] * len(GROUPS), "ds_version": "0.19.8", "param_slice_mappings": maps}
+        if prefix:
+            del osd["zero_stage"]
+        torch.save({"optimizer_state_dict": osd, "ds_config": {"zero_optimization": {"stage": stage}},
+                    "ds_version": "0.19.8"}, folder / f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
+                   pickle_module=PICKLE)
+    shapes = [{n: torch.Size(s) for n, s in named} for named in GROUPS]
+    module = {n: torch.from_numpy(full[f"module.{n}"]) if stage != 3 else torch.empty(0)
+              for named in GROUPS for n, _ in named}
+    module["norm.running"] = torch.arange(3.0)  # a buffer
+    full["module.norm.running"] = np.arange(3.0, dtype=np.float32)
+    model = {"module": module, "buffer_names": ["norm.running"], "optimizer": None, "param_shapes": shapes,
+             "frozen_param_shapes": {}, "shared_params": {}, "global_steps": 2, "skipped_steps": 0,
+             "dp_world_size": dp, "mp_world_size": 1, "ds_version": "0.19.8"}
+    names = [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(dp)] if stage == 3 else \
+        ["mp_rank_00_model_states.pt"]
+    for name in names:
+        torch.save(model, folder / name)
+    (folder.parent / "latest").write_text(folder.name)
+    if stage == 3:
+        full = {k: v for k, v in full.items() if not k.startswith("module.") or k == "module.norm.running"}
+    return full
+
+
+def check_flat_loads(url: str, full: dict[str, np.ndarray], stage: int, dp: int) -> None:
+    """Every rank of DeepSpeed's partition over ``dp`` ranks loads exactly its ranges."""
+    ckpt = rs.open(url)
+    for named in GROUPS:
+        lays = group_buffer(stage, [s for _, s in named], dp).layouts()
+        targets = {f"optimizer.{w}.{n}": lay for (n, _), lay in zip(named, lays, strict=True)
+                   for w in ("fp32", *STATES)}
+        for r in range(dp):
+            got = ckpt.load(targets, r)
+            for name, lay in targets.items():
+                if r in lay.ranks:
+                    node = got
+                    for part in name.split("."):
+                        node = node[part]
+                    np.testing.assert_array_equal(node, local_part(lay, r, full[name]), err_msg=f"{name} rank {r}")
+
+
+@pytest.mark.parametrize(("stage", "dp", "new"), [(2, 4, 3), (1, 3, 2), (3, 2, 3)])
+def test_import_redivide_export_built_saves(tmp_path, stage, dp, new):
+    full = build_save(tmp_path / "ds" / "global_step2", stage, dp)
+    done = import_deepspeed(str(tmp_path / "ds"), str(tmp_path / "rs"))
+    assert (done["stage"], done["dp"], done["tensors"]) == (stage, dp, len(full))
+    ckpt = rs.open(str(tmp_path / "rs"))
+    assert set(ckpt) == set(full)
+    for name, arr in full.items():
+        np.testing.assert_array_equal(ckpt[name].read(), arr, err_msg=name)
+    lay = ckpt.tensor("optimizer.fp32.embed.weight").layout
+    assert isinstance(lay, FlatLayout) and lay.origin == {"framework": "deepspeed", "zero_stage": stage}
+    assert isinstance(ckpt.tensor("module.norm.running").layout, Layout)
+    check_flat_loads(str(tmp_path / "rs"), full, stage, new)
+    # redivide to the new DP size (reshard's own flat layouts), export from there, import the export
+    targets = {}
+    for named in GROUPS:
+        for (n, _), lay in zip(named, group_buffer(stage, [s for _, s in named], new).layouts(), strict=True):
+            targets.update({f"optimizer.{w}.{n}": lay for w in ("fp32", *STATES)})
+    rs.redivide(str(tmp_path / "rs"), str(tmp_path / "rs3"), targets)
+    out = export_deepspeed(str(tmp_path / "rs3"), str(tmp_path / "ds3"), new)
+    assert out["dp"] == new and (tmp_path / "ds3" / "latest").read_text() == "reshard"
+    again = import_deepspeed(str(tmp_path / "ds3"), str(tmp_path / "again"))
+    assert again["dp"] == new
+    back = rs.open(str(tmp_path / "again"))
+    assert set(back) == set(full)
+    for name, arr in full.items():
+        np.testing.assert_array_equal(back[name].read(), arr, err_msg=name)
+    assert back.leaves["deepspeed"]["groups"][0]["hyper"]["betas"] == [0.9, 0.999]
+
+
+def test_bf16_optimizer_files(tmp_path):
+    full = build_save(tmp_path / "ds" / "s", 1, 3, prefix="bf16_")
+    assert import_deepspeed(str(tmp_path / "ds"), str(tmp_path / "rs"))["stage"] == 1
+    export_deepspeed(str(tmp_path / "rs"), str(tmp_path / "out"), 2)
+    assert sorted(p.name for p in (tmp_path / "out" / "reshard").iterdir() if "optim" in p.name) == [
+        f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(2)]
+    import_deepspeed(str(tmp_path / "out"), str(tmp_path / "again"))
+    back = rs.open(str(tmp_path / "again"))
+    for name, arr in full.items():
+        np.testing.assert_array_equal(back[name].read(), arr, err_msg=name)
+
+
+def test_import_refuses_what_it_cannot_read(tmp_path):
+    build_save(tmp_path / "ok" / "s", 2, 2)
+    shutil.copytree(tmp_path / "ok", tmp_path / "gap")
+    os.remove(tmp_path / "gap" / "s" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    with pytest.raises(FormatError, match="optimizer files of data-parallel ranks"):
+        import_deepspeed(str(tmp_path / "gap"), str(tmp_path / "x"))
+    shutil.copytree(tmp_path / "ok", tmp_path / "mp")
+    shutil.copy(tmp_path / "mp" / "s" / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                tmp_path / "mp" / "s" / "zero_pp_rank_0_mp_rank_01_optim_states.pt")
+    with pytest.raises(UnsupportedError, match="model-parallel rank 1"):
+        import_deepspeed(str(tmp_path / "mp"), str(tmp_path / "x"))
+    shutil.copytree(tmp_path / "ok", tmp_path / "evil")
+    torch.save({"optimizer_state_dict": {"x": stub("os.system", ("echo owned",))}},
+               tmp_path / "evil" / "s" / "zero_pp_rank_1_mp_rank_00_optim_states.pt", pickle_module=PICKLE)
+    with pytest.raises(FormatError, match=r"os\.system"):  # refused before anything is unpickled
+        import_deepspeed(str(tmp_path / "evil"), str(tmp_path / "x"))
+    shutil.copytree(tmp_path / "ok", tmp_path / "lie")
+    model = torch.load(tmp_path / "lie" / "s" / "mp_rank_00_model_states.pt", weights_only=True)
+    model["param_shapes"][0]["embed.weight"] = torch.Size([36, 12])  # the partitions no longer fit
+    torch.save(model, tmp_path / "lie" / "s" / "mp_rank_00_model_states.pt")
+    with pytest.raises(FormatError, match=r"param_slice_mappings|fp32 elements"):
+        import_deepspeed(str(tmp_path / "lie"), str(tmp_path / "x"))
+    with pytest.raises(CheckpointNotFoundError):
+        import_deepspeed(str(tmp_path / "nowhere"), str(tmp_path / "x"))
+    assert not (tmp_path / "x").exists()
+
+
+def test_export_writes_only_allowed_classes(tmp_path):
+    build_save(tmp_path / "ds" / "s", 2, 2)
+    import_deepspeed(str(tmp_path / "ds"), str(tmp_path / "rs"))
+    ckpt = rs.open(str(tmp_path / "rs"))
+    info = ckpt.leaves["deepspeed"]
+    info["optimizer"]["loss_scaler"] = {"stub": "os.system", "args": ["echo owned"], "state": None}
+    tensors = {n: ckpt[n].read() for n in ckpt}
+    rs.save({**tensors, "deepspeed": info}, str(tmp_path / "edited"))
+    with pytest.raises(FormatError, match=r"os\.system"):
+        export_deepspeed(str(tmp_path / "edited"), str(tmp_path / "out"), 2)
+    rs.save({"w": np.zeros(3, np.float32)}, str(tmp_path / "plain"))
+    with pytest.raises(FormatError, match="not a checkpoint imported from DeepSpeed"):
+        export_deepspeed(str(tmp_path / "plain"), str(tmp_path / "out"), 2)
+
+
+def test_cli_import_and_export(tmp_path):
+    from reshard.store.cli import main
+
+    build_save(tmp_path / "ds" / "s", 2, 4)
+    assert main(["import", "deepspeed", str(tmp_path / "ds"), str(tmp_path / "rs"), "--tag", "s"]) == 0
+    assert main(["export", "deepspeed", str(tmp_path / "rs"), str(tmp_path / "out"), "--dp", "3"]) == 0
+    assert sorted(p.name for p in (tmp_path / "out" / "reshard").iterdir()) == [
+        "mp_rank_00_model_states.pt", *(f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(3))]
+
+
+# ------------------------------------------------------------------------- the real framework
+
+DS_PYTHON = os.environ.get("RESHARD_DEEPSPEED_PYTHON", sys.executable)
+JOB = Path(__file__).with_name("dsjob.py")
+
+
+def _has_deepspeed() -> bool:
+    try:
+        return subprocess.run([DS_PYTHON, "-c", "import deepspeed"], capture_output=True, timeout=120).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def ds_job(*args: object) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([DS_PYTHON, str(JOB), *map(str, args)], capture_output=True, text=True, timeout=540,
+                          env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+@pytest.mark.skipif(not _has_deepspeed(), reason="DeepSpeed is not importable (set RESHARD_DEEPSPEED_PYTHON)")
+@pytest.mark.parametrize(("stage", "dp", "new"), [(2, 4, 3), (3, 2, 3), (-1, 2, 3)],
+                         ids=["zero2", "zero3", "bf16-zero1"])
+def test_real_deepspeed_save_redivide_load(tmp_path, stage, dp, new):
+    ds_job("save", tmp_path / "ds", dp, stage)  # two training steps, then save_checkpoint
+    import_deepspeed(str(tmp_path / "ds"), str(tmp_path / "rs"))
+    first = rs.open(str(tmp_path / "rs"))
+    names = first.leaves["deepspeed"]["groups"]
+    targets = {}
+    assert first.leaves["deepspeed"]["file_prefix"] == ("bf16_" if stage < 0 else "")
+    for g in names:
+        for n, lay in zip(g["names"], group_buffer(abs(stage), [tuple(s) for s in g["shapes"]], new).layouts(),
+                          strict=True):
+            targets.update({f"optimizer.{w}.{n}": lay for w in ("fp32", *g["states"])})
+    rs.redivide(str(tmp_path / "rs"), str(tmp_path / "rs-new"), targets)
+    export_deepspeed(str(tmp_path / "rs-new"), str(tmp_path / "ds-new"), new)
+    ds_job("resave", tmp_path / "ds-new", tmp_path / "ds-again", new, stage)  # load_checkpoint, save again
+    import_deepspeed(str(tmp_path / "ds-again"), str(tmp_path / "again"))
+    again = rs.open(str(tmp_path / "again"))
+    assert again.leaves["deepspeed"]["dp"] == new and set(again) == set(first)
+    for name in first:
+        np.testing.assert_array_equal(again[name].read(), first[name].read(), err_msg=name)
+    if stage in (1, 2):  # the module weights are the fp32 master weights (fp32 training)
+        for g in names:
+            for n in g["names"]:
+                np.testing.assert_array_equal(first[f"module.{n}"].read(), first[f"optimizer.fp32.{n}"].read())
