@@ -58,9 +58,11 @@ _COLUMNS = ("tensor", "index", "object", "offset", "length")
 
 def group_of(layout: Layout) -> tuple[str, int]:
     """A layout's group (the JSON of its rank set) and the group's carrier (its lowest rank)."""
-    ranks = layout.to_json()["ranks"]
-    if isinstance(ranks, dict):  # {"range": [start, stop]}
+    ranks = layout.to_json().get("ranks")
+    if isinstance(ranks, dict):  # {"range": [start, stop]}: mesh layouts over consecutive ranks
         return f"{ranks['range'][0]}:{ranks['range'][1]}", int(ranks["range"][0])
+    if ranks is None:  # flat layouts (ranges of ranks): their rank set
+        ranks = sorted(set(layout.ranks))
     return json.dumps(sorted(ranks), separators=(",", ":")), min(ranks)
 
 
