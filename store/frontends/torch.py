@@ -28,6 +28,7 @@ from reshard.layouts.errors import ShapeMismatchError, TensorNotFoundError
 
 from ..format.torch_arrays import from_numpy, to_numpy
 from ..format.tree import to_json
+from ..io.localfs import is_local_url
 from ..io.stats import IOStats
 from ..read.open import open
 from ..write.writer import create
@@ -342,7 +343,7 @@ def load(state_dict: Mapping[str, Any], url: str, *, strict: bool = True, proces
     """
     rank, ranks = _group(process_group)
     if read_once is None:  # the same on every rank: no collective needed to agree
-        read_once = "://" in url and not url.startswith("file://")
+        read_once = not is_local_url(url)
     if read_once and process_group is not None and len(ranks) > 1:
         from .exchange import read_once as exchange
 

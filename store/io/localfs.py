@@ -21,6 +21,11 @@ from reshard.layouts.errors import FormatError
 READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
+def is_local_url(url: str) -> bool:
+    """Whether ``url`` names a local path (no scheme, or ``file://``)."""
+    return "://" not in url or url.startswith("file://")
+
+
 def relative(key: str) -> bool:
     """Whether ``key`` is a relative key with no empty, ``.`` or ``..`` component (one check per request)."""
     return not key.startswith("/") and "//" not in key and "\\" not in key \

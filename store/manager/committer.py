@@ -108,11 +108,7 @@ class Committer:
         try:
             self.root.write_new(JOB_LOCK_KEY, body)
         except CheckpointExistsError:
-            raw = self.root.read_if_exists(JOB_LOCK_KEY)
-            try:
-                holder = json.loads(raw) if raw is not None else None
-            except ValueError:
-                holder = None
+            holder = self._job_holder()
             if holder is not None and not lock_is_stale(holder, time.time()):
                 raise CommitConflictError(
                     f"{self.root.url}: another job saves to this root ({holder.get('host')} pid {holder.get('pid')}, "
@@ -138,13 +134,9 @@ class Committer:
         """
         if self._job is None:
             return
-        raw = self.root.read_if_exists(JOB_LOCK_KEY)
-        token = json.loads(self._job)["token"]
-        try:
-            theirs = json.loads(raw)["token"] if raw is not None else None
-        except (ValueError, KeyError, TypeError):
-            theirs = None
-        if theirs != token:
+        holder = self._job_holder()
+        theirs = holder.get("token") if isinstance(holder, dict) else None
+        if theirs != json.loads(self._job)["token"]:
             self._job = None
             raise CommitConflictError(f"{self.root.url}: this job's lock of the root was taken by another job "
                                       "(this one looked dead for longer than its lease): saves stop here")
@@ -164,11 +156,7 @@ class Committer:
         deadline = time.monotonic() + timeout
         delay = POLL_MIN
         while True:
-            raw = self.root.read_if_exists(JOB_LOCK_KEY)
-            try:
-                holder = json.loads(raw) if raw is not None else None
-            except ValueError:
-                holder = None
+            holder = self._job_holder()
             if isinstance(holder, dict) and holder.get("ready") is True and not lock_is_stale(holder, time.time()):
                 return
             if time.monotonic() >= deadline or self.stop.is_set():
@@ -178,6 +166,14 @@ class Committer:
                     "start-up clean-up of unknown step folders never removes a save in progress")
             self.stop.wait(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, self.poll_max)
+
+    def _job_holder(self) -> Any:
+        """The root's job lock as JSON (None if absent or not JSON)."""
+        raw = self.root.read_if_exists(JOB_LOCK_KEY)
+        try:
+            return json.loads(raw) if raw is not None else None
+        except ValueError:
+            return None
 
     def release_job_lock(self) -> None:
         """Give the root's job lock back (the manager is closed), if this job still holds it."""

@@ -41,6 +41,7 @@ from reshard.layouts.errors import BadNameError
 
 from ..format.meta import ArrayMeta
 from ..format.tree import json_leaves
+from ..io.localfs import is_local_url
 from ..io.stats import IOStats
 from . import graph
 
@@ -191,7 +192,7 @@ def export(ckpt: Checkpoint, path: str, format: str = "safetensors", names: Iter
               for r in slabs(m, per_task)]
     groups = graph.fuse(pieces, lambda s: s.op.nbytes, cap, per_task)
     source = graph.source_of(ckpt, gap)
-    local = "://" not in str(path) or str(path).startswith("file://")
+    local = is_local_url(str(path))
     try:
         with graph.progress_bar(len(groups), f"export {format}", progress) as bar:
             if format == "safetensors" and local:
