@@ -16,6 +16,7 @@ import textwrap
 
 import numpy as np
 import pytest
+import reshard.store as rs
 
 pytest.importorskip("pyarrow")
 pytest.importorskip("pandas")
@@ -109,3 +110,28 @@ def test_small_saves_get_json_references_only_unless_asked(tmp_path):
     assert not (tmp_path / "small" / "gen-0" / "refs.parq").exists()
     save(str(tmp_path / "off"), parquet=False)
     assert not (tmp_path / "off" / "gen-0" / "refs.parq").exists()
+
+
+def test_verify_checks_the_parquet_references(tmp_path):
+    """The commit marker records the parquet files' digest: a flipped, truncated or missing file is reported by
+    verify (reshard's own reads use refs.json and the trailers, and stay exact)."""
+    url = str(tmp_path / "ck")
+    full, _ = save(url, parquet=True)
+    assert rs.verify(url).ok
+    files = sorted(p for p in (tmp_path / "ck").rglob("refs.parq/**/*") if p.is_file())
+    assert any(p.name == ".zmetadata" for p in files) and any(p.suffix == ".parq" for p in files)
+    for path in files:
+        original = path.read_bytes()
+        for damaged in (original[: len(original) // 2], bytes([original[0] ^ 1]) + original[1:], None):
+            if damaged is None:
+                path.unlink()
+            else:
+                path.write_bytes(damaged)
+            report = rs.verify(url, data=False)
+            assert not report.ok and report.kinds() == {"references"}, (path, report.problems)
+            assert "refs.parq" in report.problems[0]
+            path.write_bytes(original)
+    got = rs.open(url)
+    for name, value in full.items():
+        np.testing.assert_array_equal(got[name].read(), value)
+    assert rs.verify(url).ok

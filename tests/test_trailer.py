@@ -187,3 +187,21 @@ def test_saves_with_earlier_trailers_still_commit_open_and_verify(tmp_path, vers
 
     group = plain_zarr_group(url)
     np.testing.assert_array_equal(group["all/t3"][...], full["all.t3"])
+
+
+def test_ranks_that_disagree_are_told_which_tensor_and_how(tmp_path):
+    """Only the carrier stores a group's records; the others' tables (dtype, record digest per tensor) still let
+    the commit name the tensor two ranks disagree on, and how."""
+    lay = Layout.from_dtensor((2,), ["S(0)"], (4, 3))
+    other = Layout.from_dtensor((2,), ["S(1)"], (4, 3))  # the same ranks, another split
+    for name, (l1, extra, want) in {
+        "layout": (other, {}, "ranks 0 and 1 disagree on the layout of 'w'"),
+        "extra": (lay, {"x": np.ones((2, 3), np.float32)}, "rank 1 holds tensor 'x', which rank 0"),
+    }.items():
+        url = str(tmp_path / name)
+        rs.create(url, {"w": lay}, durable=False).write(0, {"w": np.zeros((2, 3), np.float32)})
+        mine = {"w": l1, **({"x": lay} if extra else {})}
+        rs.create(url, mine, durable=False).write(1, {"w": np.zeros(l1.local_shape(1), np.float32), **extra})
+        with pytest.raises(rs.FormatError, match=want):
+            rs.commit(url, ranks=[0, 1])
+        assert not (tmp_path / name / ".reshard" / "commit.json").exists()

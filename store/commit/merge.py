@@ -112,6 +112,8 @@ def merge_ranks(gen: Storage, save_id: str | None, expected: list[int],
     if len(heads) != len(set(expected)):
         return None
     metas = _records(gen, heads, known, fresh)
+    if metas is None:
+        return None
     leaves: dict[str, Any] = {}
     for r in sorted(heads, reverse=True):  # the lowest rank's leaves win
         leaves.update(heads[r][0]["leaves"])
@@ -119,29 +121,25 @@ def merge_ranks(gen: Storage, save_id: str | None, expected: list[int],
 
 
 def _records(gen: Storage, heads: dict[int, tuple[dict[str, Any], tuple[int, int, int, int]]],
-             known: Mapping[str, tuple[dict[str, Any], ArrayMeta]] | None, fresh: bool) -> dict[str, ArrayMeta]:
-    """The array records: every distinct layout group's records, read once from its carrier, merged."""
-    groups: dict[str, tuple[int, int, int]] = {}  # sha -> (carrier, tensors, a rank naming it)
-    for r, (doc, _) in sorted(heads.items()):
+             known: Mapping[str, tuple[dict[str, Any], ArrayMeta]] | None, fresh: bool) -> dict[str, ArrayMeta] | None:
+    """The array records: every distinct layout group's records, read once from its carrier, merged. None where
+    the ranks disagree on a group's records (the general path then names the tensor and how)."""
+    groups: dict[str, tuple[int, int]] = {}  # sha -> (carrier, tensors)
+    for _, (doc, _) in sorted(heads.items()):
         for sha, carrier, count in doc["groups"]:
-            if sha in groups and groups[sha][:2] != (carrier, count):
-                raise FormatError(f"{gen.url}: ranks {groups[sha][2]} and {r} disagree on the carrier of the tensor "
-                                  f"records {sha[:12]}...")
-            groups.setdefault(sha, (carrier, count, r))
-    for sha, (carrier, _, r) in groups.items():
-        if carrier not in heads or not any(c[0] == sha for c in heads[carrier][0]["carried"]):
-            raise FormatError(f"{gen.url}: rank {r} names tensor records {sha[:12]}... that rank {carrier}, the lowest "
-                              "rank of its layouts, does not carry: the ranks disagree on the tensors or layouts of "
-                              f"that group ({gen.url}/{rank_object(carrier)})")
+            if groups.setdefault(sha, (carrier, count)) != (carrier, count):
+                return None
+    if any(carrier not in heads or not any(c[0] == sha for c in heads[carrier][0]["carried"])
+           for sha, (carrier, _) in groups.items()):
+        return None
     docs = pool.run_all([functools.partial(group_records, gen, sha, carrier, count, fresh)
-                         for sha, (carrier, count, _) in sorted(groups.items(), key=lambda g: (g[1][0], g[0]))],
+                         for sha, (carrier, count) in sorted(groups.items(), key=lambda g: (g[1][0], g[0]))],
                         gen.local)
     combined: dict[str, Any] = {}
     for records in docs:
-        for name, t in records.items():
-            if name in combined and combined[name] != t:
-                raise FormatError(f"{gen.url}: two layout groups hold tensor {name!r} with different records")
-            combined[name] = t
+        for name, t in (records or {}).items():
+            if combined.setdefault(name, t) != t:
+                return None
     metas, _ = merge_manifests(gen.url, {0: {"tensors": combined, "leaves": {}}}, known=known)
     return metas
 

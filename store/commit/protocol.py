@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import json
 import time
 from collections.abc import Iterable, Mapping
@@ -151,25 +152,33 @@ def _commit_merged(root: Storage, gen: Storage, generation: str, sid: str, merge
     refs_digest = gen.write_stream(REFS_KEY, chunks)
     if parquet is None:
         parquet = merged.shards() >= references_parquet.MIN_SHARDS and references_parquet.available()
+    parquet_digest = None
     if parquet and not any(o.startswith("../") for o in merged.objects):
-        write_parquet(gen, raw, metas, merged)
+        parquet_digest = write_parquet(gen, raw, metas, merged)
     gen.write(PACKED_ROOT_KEY, raw)  # what open reads: O(tensors) bytes, not the O(tensors x ranks) refs
     return Marker(format_version=FORMAT_VERSION, generation=generation, save_id=sid, time=time.time(),
                   tensors=len(merged.metas), ranks=merged.ranks,
                   metadata_sha256=metadata_digest(raw),
-                  form="packed", references_sha256=refs_digest, locations="ranks", **summary_seal(raw))
+                  form="packed", references_sha256=refs_digest, locations="ranks", **summary_seal(raw),
+                  parquet_sha256=parquet_digest)
 
 
-def write_parquet(gen: Storage, raw: bytes, metas: list[ArrayMeta], merged: Merged) -> None:
-    """The save's parquet references (:mod:`reshard.store.format.parquet`): a file per tensor, ``.zmetadata`` last."""
+def write_parquet(gen: Storage, raw: bytes, metas: list[ArrayMeta], merged: Merged) -> str:
+    """The save's parquet references (:mod:`reshard.store.format.parquet`): a file per tensor, ``.zmetadata`` last;
+    their digest, for the marker (``verify`` checks it)."""
     paths, grids = [m.path for m in metas], [m.grid for m in metas]
 
-    def one(key: str, args: tuple[Any, ...]) -> None:
-        gen.write(f"{references_parquet.PARQUET_KEY}/{key}", references_parquet.encode(*args))
+    def one(key: str, blob: bytes) -> str:
+        gen.write(f"{references_parquet.PARQUET_KEY}/{key}", blob)
+        return hashlib.sha256(blob).hexdigest()
+
+    def encoded(key: str, args: tuple[Any, ...]) -> str:
+        return one(key, references_parquet.encode(*args))
 
     jobs = references_parquet.files(paths, grids, merged.objects, merged.obj, merged.off, merged.length)
-    pool.run_all([functools.partial(one, key, args) for key, args in jobs], gen.local)
-    gen.write(f"{references_parquet.PARQUET_KEY}/.zmetadata", references_parquet.metadata(raw, paths, grids))
+    shas = pool.run_all([functools.partial(encoded, key, args) for key, args in jobs], gen.local)
+    shas.append(one(".zmetadata", references_parquet.metadata(raw, paths, grids)))
+    return references_parquet.digest(shas)
 
 
 def _commit_manifests(root: Storage, gen: Storage, generation: str, sid: str, ranks: list[int] | None,

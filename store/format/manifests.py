@@ -247,11 +247,12 @@ def read_table(storage: Storage, rank: int, head: dict[str, Any], tail: bytes,
 
 
 def group_records(storage: Storage, sha: str, carrier: int, count: int, fresh: bool = False,
-                  tail: bytes | None = None) -> dict[str, Any]:
+                  tail: bytes | None = None) -> dict[str, Any] | None:
     """The tensor records of one layout group, from the trailer of its carrier (checked, cached by sha256).
 
-    ``tail``: the carrier's object's last bytes when already read. A FormatError if the
-    carrier does not carry them (the ranks disagree on the tensors or layouts of the group).
+    ``tail``: the carrier's object's last bytes when already read. None if the carrier
+    does not carry them: the ranks disagree on the tensors or layouts of the group
+    (:func:`_stand_ins` then says how).
     """
     records = None if fresh else _RECORDS.get(sha)
     if records is not None:
@@ -264,9 +265,7 @@ def group_records(storage: Storage, sha: str, carrier: int, count: int, fresh: b
             break
         start += length
     else:
-        raise FormatError(f"{where}: rank {carrier} does not carry the tensor records {sha[:12]}... that other ranks "
-                          f"of its layout group name: the ranks disagree on the tensors or layouts they hold (or the "
-                          "data object was replaced)")
+        return None
     need = footer + n_manifest + n_table + n_records
     if need > len(tail):
         tail = storage.read_tail(rank_object(carrier), need)
@@ -293,18 +292,63 @@ def _read_grouped_manifest(storage: Storage, rank: int, tensors: bool, tail: byt
     """A manifest from a third-form trailer, in the keyed form every reader takes (``packed``, ``hashes``,
     ``tensors`` when asked: its groups' records merged, one shared dict per combination of groups)."""
     head, tail, parts = read_head(storage, rank, tail)
-    located, hashes = read_table(storage, rank, head, tail, parts).expand()
+    table = read_table(storage, rank, head, tail, parts)
+    located, hashes = table.expand()
     doc = {**head, "packed": located, "hashes": hashes}
     if tensors:
         shas = "+".join(sha for sha, _, _ in head["groups"])
         merged = None if fresh else _RECORDS.get(shas)
         if merged is None:
-            merged = {}
+            merged, strays = {}, []
             for sha, carrier, count in head["groups"]:
-                merged.update(group_records(storage, sha, carrier, count, fresh, tail if carrier == rank else None))
-            _remember(shas, merged)
+                records = group_records(storage, sha, carrier, count, fresh, tail if carrier == rank else None)
+                if records is None:
+                    strays.append(carrier)
+                else:
+                    merged.update(records)
+            if strays:
+                merged.update(_stand_ins(storage, rank, table, merged, strays))
+            else:
+                _remember(shas, merged)
         doc["tensors"] = merged
     return doc
+
+
+def _stand_ins(storage: Storage, rank: int, table: Table, merged: dict[str, Any], carriers: list[int]
+               ) -> dict[str, Any]:
+    """Records for the tensors of ``rank`` whose layout groups' records their carriers do not carry (the ranks
+    disagree on them). Only the carrier's records are stored: each stand-in is the carrier's record of the
+    tensor, with this rank's dtype (the table's) where it differs, and marked where this rank's record differs
+    otherwise, so that :func:`merge_manifests` names the tensor and the disagreement. A FormatError for a tensor
+    its carriers do not hold, or where no tensor differs (the trailer was edited)."""
+    theirs: dict[str, Any] = {}
+    described: dict[str, tuple[str, int]] = {}
+    for carrier in sorted(set(carriers)):
+        head, tail, parts = read_head(storage, carrier)
+        described.update(read_table(storage, carrier, head, tail, parts).described())
+        for sha, _ in head.get("carried", []):
+            count = next((c for s, _, c in head["groups"] if s == sha), 0)
+            theirs.update(group_records(storage, sha, carrier, count, tail=tail) or {})
+    out: dict[str, Any] = {}
+    for name, (dtype, digest) in table.described().items():
+        if name in merged:
+            continue
+        record = theirs.get(name)
+        if record is None or name not in described:
+            raise FormatError(f"{storage.url}/{rank_object(rank)}: rank {rank} holds tensor {name!r}, which rank "
+                              f"{' or '.join(map(str, sorted(set(carriers))))}, the lowest rank of its layout, does "
+                              "not hold: the ranks disagree on the tensors they hold")
+        if dtype != record["dtype"]:
+            record = {**record, "dtype": dtype}
+        elif digest != described[name][1]:
+            record = {**record, "differs_on_rank": rank}
+        out[name] = record
+    if all(out[name] is theirs[name] for name in out):
+        raise FormatError(f"{storage.url}/{rank_object(rank)}: rank {rank} names tensor records that rank "
+                          f"{' or '.join(map(str, sorted(set(carriers))))}, the lowest rank of their layouts, does "
+                          "not carry, though every tensor it holds has the record that rank carries: its trailer "
+                          "was edited or damaged")
+    return out
 
 
 def describe_missing(url: str, missing: list[int], manifests: dict[int, dict[str, Any]]) -> str:

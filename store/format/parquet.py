@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import io
 import json
 from collections.abc import Iterator, Sequence
@@ -82,6 +83,21 @@ def files(paths: Sequence[str], grids: Sequence[tuple[int, ...]], objects: Seque
             yield f"{path}/refs.{record}.parq", (objects, obj[at + lo : at + hi], off[at + lo : at + hi],
                                                   length[at + lo : at + hi])
         at += n
+
+
+def keys(paths: Sequence[str], grids: Sequence[tuple[int, ...]]) -> list[str]:
+    """Every file's key under ``refs.parq`` (``.zmetadata`` last), as :func:`files` and the commit write them."""
+    out = []
+    for path, grid in zip(paths, grids, strict=True):
+        n = int(np.prod(grid)) if grid else 1
+        out += [f"{path}/refs.{record}.parq" for record in range(-(-n // RECORD_SIZE))]
+    return [*out, ".zmetadata"]
+
+
+def digest(shas: Sequence[str]) -> str:
+    """The digest a commit marker records of a save's parquet references: the sha256 of the files' sha256s (hex,
+    one a line) in the order of :func:`keys`."""
+    return hashlib.sha256("".join(f"{s}\n" for s in shas).encode()).hexdigest()
 
 
 def encode(objects: Sequence[str], obj: np.ndarray, off: np.ndarray, length: np.ndarray) -> bytes:

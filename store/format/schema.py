@@ -243,12 +243,16 @@ def marker_fields(doc: Any, where: str) -> dict[str, Any]:
                                      and _HEX64.fullmatch(seal[1])):
         raise _fail(where, "summary_bytes/summary_sha256", "an int >= 1 and 64 lowercase hex digits, or absent",
                     list(seal))
+    parquet = doc.get("parquet_sha256")
+    if parquet is not None and (not isinstance(parquet, str) or not _HEX64.fullmatch(parquet) or form != "packed"):
+        raise _fail(where, "parquet_sha256", "64 lowercase hex digits (packed form only), or absent", parquet)
     locations = doc.get("locations")
     if locations not in (None, "ranks", "references") or (locations is not None and form != "packed"):
         raise _fail(where, "locations", "'ranks' or 'references' (packed form only), or absent", locations)
     out.update(generation=generation, save_id=None if save_id is None else str(save_id), time=float(time),
                tensors=tensors, ranks=list(int_list(ranks, where, "ranks")), metadata_sha256=digest, form=form,
-               references_sha256=refs_digest, locations=locations, summary_bytes=seal[0], summary_sha256=seal[1])
+               references_sha256=refs_digest, locations=locations, summary_bytes=seal[0], summary_sha256=seal[1],
+               parquet_sha256=parquet)
     return out
 
 

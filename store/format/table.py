@@ -11,11 +11,14 @@ A rank's data object ``packed/<rank>.bin`` ends with its **trailer**
   span one set of ranks; its records are the same bytes on every rank of the
   set, so only the set's lowest rank, its **carrier**, writes them. Every
   other rank names them by sha256. Empty on the ranks that carry nothing.
-* **table**: where each shard this rank wrote (or reuses) lies: a JSON object with
-  ``objects`` (keys under the checkpoint root), ``tensors`` (names, once each), ``grids``
-  (the distinct grids, shards per dimension) and columns of numbers, each
-  little-endian, base64 in a JSON string: ``grid`` (per tensor, int32: its grid in
-  ``grids``), and per shard ``tensor`` (int32, index into ``tensors``), ``index``
+* **table**: the tensors this rank holds and where each shard it wrote (or reuses) lies:
+  a JSON object with ``objects`` (keys under the checkpoint root), ``tensors`` (every
+  tensor the rank holds, once each), ``grids`` (the distinct grids, shards per dimension),
+  ``dtypes`` (the distinct dtype names) and columns of numbers, each little-endian,
+  base64 in a JSON string: per tensor ``grid`` (int32: its grid in ``grids``), ``dtype``
+  (int32: its dtype in ``dtypes``) and ``record`` (int64: the first 8 bytes of the sha256
+  of its record, so that a commit can name the tensor two ranks disagree on without
+  either rank storing the other's records), and per shard ``tensor`` (int32, index into ``tensors``), ``index``
   (int64, C-order position in the tensor's grid), ``object`` (int32, index into
   ``objects``), ``offset`` and ``length`` (int64); ``hashes``: the shards' 16-byte
   hashes back to back, base64, of the kind ``hash`` (``"xxh3_128v"``). About 60 bytes a
@@ -107,15 +110,19 @@ def rank_trailer(rank: int, manifest: dict[str, Any], texts: Mapping[str, tuple[
                      len(body).to_bytes(8, "little"), TRAILER_MAGIC_V3])
 
 
-def shard_table(shards: Sequence[tuple[ArrayMeta, tuple[int, ...]]], located: Mapping[str, Sequence[Any]],
-                hashes: Mapping[str, str]) -> bytes:
-    """The table of a rank's shards: ``shards`` (record, grid index) in order, their locations and hashes by key.
-
-    A shard without a location (none was written or reused) is left out.
-    """
-    names: dict[str, int] = {}
-    grid_of: list[int] = []
+def shard_table(held: Mapping[str, tuple[ArrayMeta, str]], shards: Sequence[tuple[ArrayMeta, tuple[int, ...]]],
+                located: Mapping[str, Sequence[Any]], hashes: Mapping[str, str]) -> bytes:
+    """The table of a rank: the tensors it holds (``{name: (record, record text)}``), then ``shards`` (record,
+    grid index) in order with their locations and hashes by key. A shard without a location (none was written
+    or reused) is left out."""
+    names = {name: t for t, name in enumerate(held)}
     grids: dict[tuple[int, ...], int] = {}
+    dtypes: dict[str, int] = {}
+    per_tensor: dict[str, list[int]] = {"grid": [], "dtype": [], "record": []}
+    for meta, text in held.values():
+        per_tensor["grid"].append(grids.setdefault(tuple(meta.grid), len(grids)))
+        per_tensor["dtype"].append(dtypes.setdefault(meta.dtype, len(dtypes)))
+        per_tensor["record"].append(record_digest(text))
     objects: dict[str, int] = {}
     cols: dict[str, list[int]] = {c: [] for c in _COLUMNS}
     digests: list[bytes] = []
@@ -124,29 +131,31 @@ def shard_table(shards: Sequence[tuple[ArrayMeta, tuple[int, ...]]], located: Ma
         loc = located.get(key)
         if loc is None:
             continue
-        t = names.get(meta.name)
-        if t is None:
-            t = names[meta.name] = len(names)
-            grid_of.append(grids.setdefault(tuple(meta.grid), len(grids)))
         sha = hashes[key]
         kind, _, hexd = sha.partition(":")
         if kind != HASH_KIND or len(hexd) != _HASH_DIGITS:
             raise ValueError(f"shard {key!r}: hash {sha!r} is not {HASH_KIND}")
-        cols["tensor"].append(t)
+        cols["tensor"].append(names[meta.name])
         cols["index"].append(_ravel(idx, meta.grid))
         cols["object"].append(objects.setdefault(str(loc[0]), len(objects)))
         cols["offset"].append(int(loc[1]))
         cols["length"].append(int(loc[2]))
         digests.append(bytes.fromhex(hexd))
     doc = {"objects": list(objects), "tensors": list(names), "grids": [list(g) for g in grids],
-           "grid": _pack(grid_of, "grid"), **{c: _pack(v, c) for c, v in cols.items()}, "hash": HASH_KIND,
+           "dtypes": list(dtypes), **{c: _pack(v, c) for c, v in {**per_tensor, **cols}.items()}, "hash": HASH_KIND,
            "hashes": base64.b64encode(b"".join(digests)).decode()}
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
+def record_digest(text: str) -> int:
+    """The ``record`` column's number for a tensor's record text: the first 8 bytes of its sha256, signed."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
+
+
 #: The numbers of a table, each column little-endian of this type, base64 in a JSON string: 4096 ranks' tables
 #: of 10,000 shards parse in seconds where JSON lists of ints took a minute.
-_TYPES = {"grid": "<i4", "tensor": "<i4", "index": "<i8", "object": "<i4", "offset": "<i8", "length": "<i8"}
+_TYPES = {"grid": "<i4", "dtype": "<i4", "record": "<i8",
+          "tensor": "<i4", "index": "<i8", "object": "<i4", "offset": "<i8", "length": "<i8"}
 
 
 def _pack(values: Sequence[int], column: str) -> str:
@@ -202,6 +211,11 @@ class Table:
             raise FormatError(f"{where}: malformed shard table (grid)")
         self.grid_shapes: list[tuple[int, ...]] = [tuple(g) for g in grids]
         self.grid = grid
+        dtypes, dtype, record = doc.get("dtypes"), _unpack(where, doc, "dtype"), _unpack(where, doc, "record")
+        if (type(dtypes) is not list or not all(isinstance(d, str) for d in dtypes) or dtype.size != len(names)
+                or record.size != len(names) or (dtype.size and (dtype.min() < 0 or dtype.max() >= len(dtypes)))):
+            raise FormatError(f"{where}: malformed shard table (dtypes or records of the tensors)")
+        self._dtypes, self._dtype, self._record = dtypes, dtype, record
         cols = {c: _unpack(where, doc, c) for c in _COLUMNS}
         n = cols["tensor"].size
         if any(v.size != n for v in cols.values()):
@@ -222,6 +236,11 @@ class Table:
             raise FormatError(f"{where}: malformed shard table (hashes)")
         self.digests = digests
         self.tensor, self.index, self.object, self.offset, self.length = (cols[c] for c in _COLUMNS)
+
+    def described(self) -> dict[str, tuple[str, int]]:
+        """``{name: (dtype, record digest)}`` of every tensor the rank holds (:func:`record_digest`)."""
+        return {n: (self._dtypes[d], r) for n, d, r in zip(self.names, self._dtype.tolist(), self._record.tolist(),
+                                                           strict=True)}
 
     @property
     def grids(self) -> list[tuple[int, ...]]:

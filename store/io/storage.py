@@ -361,14 +361,13 @@ class Storage:
         """
         h = hashlib.sha256()
         if self.local:
-            with self._naming(key):
-                fd = os.open(self.path(key), os.O_RDONLY)
-                try:
-                    while block := os.read(fd, piece):
-                        h.update(block)
-                        self.count(bytes_fetched=len(block))
-                finally:
-                    os.close(fd)
+            fd = self._call(key, lambda: self._local_fd(key))  # a regular file reached through no link
+            try:
+                while block := os.read(fd, piece):
+                    h.update(block)
+                    self.count(bytes_fetched=len(block))
+            finally:
+                os.close(fd)
         else:
             def read() -> None:
                 with self.fs.open(self.path(key), "rb", block_size=piece) as f:

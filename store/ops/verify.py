@@ -31,6 +31,7 @@ from ..commit.locate import ByArrays, read_references
 from ..commit.marker import Marker, generation_storage, read_marker, read_root_document
 from ..commit.merge import merge_ranks, third_form
 from ..commit.protocol import metadata_documents
+from ..format import parquet as references_parquet
 from ..format.manifests import merge_manifests, merge_packed, read_manifest
 from ..format.meta import ArrayMeta, stored_name
 from ..format.refs import REFS_KEY, References, objects_of, templates_for
@@ -137,6 +138,8 @@ def verify(url: str, *, storage_options: dict[str, Any] | None = None, data: boo
             ckpt = _uncommitted(root, storage_options, report)
         else:
             ckpt = _committed(root, found[0], storage_options, report)
+            if ckpt is not None and found[0].parquet_sha256 is not None:
+                _check_parquet(generation_storage(root, found[0]), found[0], ckpt, report)
     if ckpt is not None:
         report.tensors = len(ckpt.arrays)
         report.without_checksums = sorted(n for n, m in ckpt.arrays.items() if not m.checksums)
@@ -245,6 +248,25 @@ def _committed_streaming(root: Storage, gen: Storage, marker: Marker, storage_op
         return None
     ckpt.fetcher.locator = ByArrays(gen, merged)  # every shard where the merge says, no dict of every shard
     return ckpt
+
+
+def _check_parquet(gen: Storage, marker: Marker, ckpt: Checkpoint, report: VerifyReport) -> None:
+    """The save's parquet references (what plain zarr may read instead of ``refs.json``) against the digest its
+    marker records: every file there, none changed."""
+    metas = list(ckpt.arrays.values())
+    shas = []
+    where = f"{gen.url}/{references_parquet.PARQUET_KEY}"
+    for key in references_parquet.keys([m.path for m in metas], [m.grid for m in metas]):
+        try:
+            shas.append(gen.digest(f"{references_parquet.PARQUET_KEY}/{key}"))
+        except FileNotFoundError:
+            report.add("references", f"{where}/{key}", "missing: a parquet references file of the save is gone")
+            return
+    report.files_checked += len(shas)
+    if references_parquet.digest(shas) != marker.parquet_sha256:
+        report.add("references", where, "the parquet references do not match the digest the commit marker names: "
+                                        "a file was edited, truncated or replaced (refs.json and reshard's reads "
+                                        "are not affected; plain zarr readers of refs.parq are)")
 
 
 def documents(gen: Storage, marker: Marker, report: VerifyReport

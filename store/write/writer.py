@@ -227,10 +227,11 @@ class CheckpointWriter:
             fresh = [(key, parts) for key, parts, _ in blobs if parts is not None]
             objects, where = packed.plan_pack(f"{self.generation}/{PACKED_DIR}", str(rank), fresh, self.object_bytes)
             # the trailer: this rank's layout groups' records if it carries them, its shard table, its manifest
-            table = shard_table([(m, idx) for m, idx, _, _ in order], {**where, **{k: v for k, v in found.items()
-                                                                                  if v is not None}},
-                                {key: sha for key, _, sha in blobs})
             texts = {n: (plans[n].text, plans[n].meta.layout) for n in manifest.pop("tensors")}
+            table = shard_table({n: (plans[n].meta, texts[n][0]) for n in texts},
+                                [(m, idx) for m, idx, _, _ in order],
+                                {**where, **{k: v for k, v in found.items() if v is not None}},
+                                {key: sha for key, _, sha in blobs})
             packed.write_objects(self.root, objects, rank_trailer(rank, manifest, texts, table))
         else:
             pool.run_all([job for p, arr in mine for job in self._shard_jobs(p.meta, p.at(rank).region, arr,
