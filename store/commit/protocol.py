@@ -125,7 +125,12 @@ def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None =
         if manifests is None and form in ("packed", None):
             expected = ranks if ranks else expected_ranks(gen)
             if expected and third_form(gen, min(expected)):
-                merged = merge_ranks(gen, sid, expected, known)  # rank trailers of the third form: streamed
+                try:
+                    merged = merge_ranks(gen, sid, expected, known)  # rank trailers of the third form: streamed
+                except FileNotFoundError as e:  # a data object went away while it was merged
+                    check_not_collected(root, generation)  # say why it is gone, if gc removed it
+                    raise UncommittedCheckpointError(f"{gen.url}: {e.filename or e} went away during the commit "
+                                                     "(deleted?): the save cannot commit") from None
         if merged is not None:
             marker = _commit_merged(root, gen, generation, sid, merged, parquet)
         else:

@@ -202,7 +202,7 @@ class Table:
         objects, names, grids = doc.get("objects"), doc.get("tensors"), doc.get("grids")
         if (type(objects) is not list or not all(isinstance(o, str) and is_object_key(o) for o in objects)
                 or type(names) is not list or not _strings(names) or type(grids) is not list
-                or not all(type(g) is list and all(type(n) is int and n >= 1 for n in g) for g in grids)):
+                or not all(type(g) is list and all(type(n) is int and n >= 0 for n in g) for g in grids)):
             raise FormatError(f"{where}: malformed shard table (objects, tensors or grids)")
         self.objects: list[str] = objects
         self.names: list[str] = names
