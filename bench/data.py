@@ -24,6 +24,7 @@ FULL: dict[str, Any] = {
     "s3sim": {"rows": 4096, "cols": 64, "count": 16, "ranks": 1024, "procs": 8},  # 16 MiB, 1 KiB a piece
     "scale_ranks": [8, 64, 512],
     "scale_shape": [4096, 256], "scale_count": 16,             # 64 MiB, 8 rows per rank at 512
+    "scale_meta": {"ranks": [64, 256, 1024], "tensors": 873},  # issue 26: metadata of N ranks x T tensors
     "sizes": {"256 MiB": 936, "1 GiB": 3744},                  # W1 columns for the size sweep
     "sizes_full": {"4 GiB": 14976},
     "gpt2": {"rows": 50257, "cols": 768},                      # GPT-2's token embedding, 147 MiB float32
@@ -37,6 +38,7 @@ SMOKE: dict[str, Any] = {
     "s3sim": {"rows": 256, "cols": 8, "count": 4, "ranks": 64, "procs": 2},
     "scale_ranks": [8, 64],
     "scale_shape": [512, 16], "scale_count": 4,
+    "scale_meta": {"ranks": [8], "tensors": 20},
     "sizes": {},  # no size sweep in smoke runs
     "sizes_full": {},
     "gpt2": {"rows": 1003, "cols": 24},

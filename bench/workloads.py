@@ -395,6 +395,27 @@ class Runner:
                        size, f"{m} loads in 1 process")
             shutil.rmtree(args["url"], ignore_errors=True)
 
+    def scale_metadata(self) -> None:
+        """Issue 26's table: N simulated ranks x T tiny tensors (:mod:`bench.scale`); also bench/results-scale.md."""
+        from bench import scale
+
+        cfg = self.opts.cfg["scale_meta"]
+        lines = [scale.HEADER]
+        for n in cfg["ranks"]:
+            row = scale.measure(n, cfg["tensors"], cfg.get("procs", 2), str(self.opts.workdir))
+            lines.append(scale.markdown_row(row))
+            print(lines[-1], flush=True)
+            label = f"{n} ranks x {cfg['tensors']} tiny tensors"
+            for phase, key, note in (("commit", "commit", f"refs.json {row['refs_json']} B"),
+                                     ("open + load one rank of N-8", "load", ""), ("verify", "verify", ""),
+                                     ("plain zarr: open + one tensor", "zarr", "")):
+                got = row[key]
+                m = Measurement(times=[got["wall"]], peak_rss=got.get("peak", 0)) if "wall" in got else \
+                    Measurement(error=str(got.get("error")))
+                self.rows.append(Row("metadata", f"{label}: {phase}", "reshard", m, 0, note))
+        if self.opts.cfg is data.FULL:
+            (Path(__file__).parent / "results-scale.md").write_text("\n".join(lines) + "\n")
+
     def scale_size(self) -> None:
         sizes = dict(self.opts.cfg["sizes"])
         if self.opts.full:
@@ -417,8 +438,8 @@ class Runner:
         only = self.opts.only
         steps = [("w1", lambda: self.w1(self.opts.cfg["w1"])), ("w3", self.w3), ("w2", self.w2), ("w4", self.w4),
                  ("gpt2", self.gpt2), ("w5", self.w5), ("s3sim", self.s3sim),
-                 ("scale", self.scale_ranks), ("scale", self.scale_size), ("async", self.async_save),
-                 ("fresh", self.fresh)]
+                 ("scale", self.scale_ranks), ("scale", self.scale_metadata), ("scale", self.scale_size),
+                 ("async", self.async_save), ("fresh", self.fresh)]
         for key, step in steps:
             if key in only:
                 print(f"[{key}]", flush=True)

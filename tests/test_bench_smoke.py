@@ -58,6 +58,10 @@ def test_table_has_the_expected_rows(smoke: dict[str, Any]) -> None:
         ("W4", "partial load: rank 0 of 7", "reshard"),
         ("scaling", "ranks 64 -> 56: plan, all ranks", "reshard"),
         ("scaling", "ranks 64 -> 56: load, all ranks", "reshard"),
+        # issue 26's table (bench/scale.py): metadata of N simulated ranks x T tiny tensors
+        ("metadata", "8 ranks x 20 tiny tensors: commit", "reshard"),
+        ("metadata", "8 ranks x 20 tiny tensors: verify", "reshard"),
+        ("metadata", "8 ranks x 20 tiny tensors: plain zarr: open + one tensor", "reshard"),
         # the user's way (issue 28): fresh processes per save and load, defaults
         ("W1 fresh", "save, 8 fresh processes, defaults", "reshard"),
         ("W1 fresh", "redivided load 8 -> 7, fresh processes", "reshard"),

@@ -39,6 +39,8 @@ OPTIONAL = {
     "moto": ("testing", "moto"),
     "boto3": ("testing", "boto3"),
     "botocore": ("testing", "botocore"),
+    "pyarrow": ("parquet", "pyarrow"),
+    "pandas": ("parquet", "pandas"),
 }
 #: Modules that only run with an extra installed, and are never imported by ``import reshard.store``:
 #: their module-level imports belong to that extra (a DCP storage plugin subclasses torch's classes).

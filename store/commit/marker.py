@@ -87,6 +87,9 @@ class Marker:
     #: :func:`reshard.store.format.consolidated.summary_seal`); None in markers written before it existed.
     summary_bytes: int | None = None
     summary_sha256: str | None = None
+    #: Packed form with parquet references: the digest of the ``refs.parq`` files
+    #: (:func:`reshard.store.format.parquet.digest`); None when the save has none.
+    parquet_sha256: str | None = None
 
     @classmethod
     def parse(cls, url: str, raw: bytes) -> Marker:
@@ -117,7 +120,7 @@ class Marker:
         ``references_sha256`` is left out of directory-form markers (it has nothing to name), and the
         optional fields when unset.
         """
-        optional = ("references_sha256", "locations", "summary_bytes", "summary_sha256")
+        optional = ("references_sha256", "locations", "summary_bytes", "summary_sha256", "parquet_sha256")
         doc = {k: v for k, v in asdict(self).items() if v is not None or k not in optional}
         return with_digest(doc)
 

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from reshard.layouts.errors import (
@@ -30,6 +31,7 @@ from reshard.layouts.errors import (
     UncommittedCheckpointError,
 )
 
+from ..format import parquet as references_parquet
 from ..format.consolidated import PACKED_ROOT_KEY, ROOT_KEY, root_document, summary_seal
 from ..format.manifests import merge_manifests, merge_packed, read_manifests
 from ..format.meta import (
@@ -41,6 +43,7 @@ from ..format.meta import (
 )
 from ..format.refs import REFS_KEY, objects_of
 from ..format.refs import build as build_references
+from ..format.refs import stream as references_stream
 from ..io import pool
 from ..io.gcpause import gc_paused
 from ..io.storage import Storage
@@ -55,6 +58,7 @@ from .marker import (
     metadata_digest,
     save_id_of,
 )
+from .merge import Merged, expected_ranks, merge_ranks, third_form
 
 
 # -------------------------------------------------------------------- commit
@@ -62,7 +66,8 @@ from .marker import (
 def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None = None,
            storage_options: dict[str, Any] | None = None, force: bool = False,
            lock_lease: float = DEFAULT_LOCK_LEASE, manifests: dict[int, dict[str, Any]] | None = None,
-           form: str | None = None, known: Mapping[str, tuple[dict[str, Any], ArrayMeta]] | None = None) -> Marker:
+           form: str | None = None, known: Mapping[str, tuple[dict[str, Any], ArrayMeta]] | None = None,
+           parquet: bool | None = None) -> Marker:
     """Commit a save once every rank has written.
 
     Parameters
@@ -90,6 +95,10 @@ def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None =
     known : mapping, optional
         ``{name: (manifest record, array record)}`` the caller wrote itself:
         a manifest record equal to one of these is not parsed again.
+    parquet : bool, optional
+        Write parquet references beside ``refs.json`` (:mod:`reshard.store.format.parquet`; saves by
+        ranks, packed). None (default): when pyarrow is installed and the save has at least
+        :data:`~reshard.store.format.parquet.MIN_SHARDS` shards (where ``refs.json`` passes ~10 MB).
 
     Returns
     -------
@@ -104,37 +113,28 @@ def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None =
     CommitConflictError
         If another live process holds the commit lock, or the save is committed already.
     """
+    if parquet and not references_parquet.available():
+        raise ValueError("parquet=True needs pyarrow and pandas: pip install 'reshard[parquet]'")
     root = url if isinstance(url, Storage) else Storage(url, storage_options)
     sid = save_id_of(save_id)
     generation = generation_of(sid)
     gen = root.child(generation)
     lock = take_lock(root, gen, sid, force=force, lease=lock_lease)
     try:
-        if manifests is None:
-            try:
-                manifests = read_manifests(gen, sid, ranks, form)
-            except UncommittedCheckpointError:
-                check_not_collected(root, generation)  # say why they are gone, if gc removed them
-                raise
-        metas, leaves = merge_manifests(gen.url, manifests, known=known)
-        located = merge_packed(gen.url, manifests, metas)
-        if located is not None:
-            check_reused(root, generation, located)
-        refs_digest = locations = None
-        if located is None:
-            raw = write_metadata(gen, metas, leaves)
+        merged = None
+        if manifests is None and form in ("packed", None):
+            expected = ranks if ranks else expected_ranks(gen)
+            if expected and third_form(gen, min(expected)):
+                try:
+                    merged = merge_ranks(gen, sid, expected, known)  # rank trailers of the third form: streamed
+                except FileNotFoundError as e:  # a data object went away while it was merged
+                    check_not_collected(root, generation)  # say why it is gone, if gc removed it
+                    raise UncommittedCheckpointError(f"{gen.url}: {e.filename or e} went away during the commit "
+                                                     "(deleted?): the save cannot commit") from None
+        if merged is not None:
+            marker = _commit_merged(root, gen, generation, sid, merged, parquet)
         else:
-            docs, raw = metadata_documents(metas, leaves)
-            refs = build_references({"zarr.json": raw, **docs}, located)
-            gen.write(REFS_KEY, refs)
-            gen.write(PACKED_ROOT_KEY, raw)  # what open reads: O(tensors) bytes, not the O(tensors x ranks) refs
-            refs_digest = metadata_digest(refs)
-            # ranks' own writes (trailers) record their shards in their manifests; block writers' may not
-            locations = "ranks" if all("tensors_sha256" in m for m in manifests.values()) else "references"
-        marker = Marker(format_version=FORMAT_VERSION, generation=generation, save_id=sid, time=time.time(),
-                        tensors=len(metas), ranks=sorted(manifests), metadata_sha256=metadata_digest(raw),
-                        form="directory" if located is None else "packed", references_sha256=refs_digest,
-                        locations=locations, **summary_seal(raw))
+            marker = _commit_manifests(root, gen, generation, sid, ranks, form, manifests, known)
         check_not_collected(root, generation)  # holding the lock: gc marks first, then looks for a lock
         root.write_atomic(COMMIT_KEY, marker.to_json())
     except BaseException:
@@ -144,6 +144,77 @@ def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None =
     with contextlib.suppress(Exception):  # a live lock means a commit in progress to gc: this one is done
         gen.write(LOCK_KEY, json.dumps({**json.loads(lock), "done": True}).encode())
     return marker
+
+
+def _commit_merged(root: Storage, gen: Storage, generation: str, sid: str, merged: Merged,
+                   parquet: bool | None) -> Marker:
+    """Write the metadata and references of a merged third-form save; the marker to write."""
+    check_reused(root, generation, merged.objects)
+    docs, raw = metadata_documents(merged.metas, merged.leaves)
+    metas = list(merged.metas.values())
+    chunks = references_stream({"zarr.json": raw, **docs}, [m.path for m in metas], [m.grid for m in metas],
+                               merged.objects, merged.obj, merged.off, merged.length)
+    refs_digest = gen.write_stream(REFS_KEY, chunks)
+    if parquet is None:
+        parquet = merged.shards() >= references_parquet.MIN_SHARDS and references_parquet.available()
+    parquet_digest = None
+    if parquet and not any(o.startswith("../") for o in merged.objects):
+        parquet_digest = write_parquet(gen, raw, metas, merged)
+    gen.write(PACKED_ROOT_KEY, raw)  # what open reads: O(tensors) bytes, not the O(tensors x ranks) refs
+    return Marker(format_version=FORMAT_VERSION, generation=generation, save_id=sid, time=time.time(),
+                  tensors=len(merged.metas), ranks=merged.ranks,
+                  metadata_sha256=metadata_digest(raw),
+                  form="packed", references_sha256=refs_digest, locations="ranks", **summary_seal(raw),
+                  parquet_sha256=parquet_digest)
+
+
+def write_parquet(gen: Storage, raw: bytes, metas: list[ArrayMeta], merged: Merged) -> str:
+    """The save's parquet references (:mod:`reshard.store.format.parquet`): a file per tensor, ``.zmetadata`` last;
+    their digest, for the marker (``verify`` checks it)."""
+    paths, grids = [m.path for m in metas], [m.grid for m in metas]
+
+    def one(key: str, blob: bytes) -> str:
+        gen.write(f"{references_parquet.PARQUET_KEY}/{key}", blob)
+        return hashlib.sha256(blob).hexdigest()
+
+    def encoded(key: str, args: tuple[Any, ...]) -> str:
+        return one(key, references_parquet.encode(*args))
+
+    jobs = references_parquet.files(paths, grids, merged.objects, merged.obj, merged.off, merged.length)
+    shas = pool.run_all([functools.partial(encoded, key, args) for key, args in jobs], gen.local)
+    shas.append(one(".zmetadata", references_parquet.metadata(raw, paths, grids)))
+    return references_parquet.digest(shas)
+
+
+def _commit_manifests(root: Storage, gen: Storage, generation: str, sid: str, ranks: list[int] | None,
+                      form: str | None, manifests: dict[int, dict[str, Any]] | None,
+                      known: Mapping[str, tuple[dict[str, Any], ArrayMeta]] | None) -> Marker:
+    """Write the metadata (and references) of a save from its ranks' whole manifests; the marker to write."""
+    if manifests is None:
+        try:
+            manifests = read_manifests(gen, sid, ranks, form)
+        except UncommittedCheckpointError:
+            check_not_collected(root, generation)  # say why they are gone, if gc removed them
+            raise
+    metas, leaves = merge_manifests(gen.url, manifests, known=known)
+    located = merge_packed(gen.url, manifests, metas)
+    if located is not None:
+        check_reused(root, generation, objects_of(located))
+    refs_digest = locations = None
+    if located is None:
+        raw = write_metadata(gen, metas, leaves)
+    else:
+        docs, raw = metadata_documents(metas, leaves)
+        refs = build_references({"zarr.json": raw, **docs}, located)
+        gen.write(REFS_KEY, refs)
+        gen.write(PACKED_ROOT_KEY, raw)  # what open reads: O(tensors) bytes, not the O(tensors x ranks) refs
+        refs_digest = metadata_digest(refs)
+        # ranks' own writes (trailers) record their shards in their manifests; block writers' may not
+        locations = "ranks" if all("tensors_sha256" in m or "groups" in m for m in manifests.values()) else "references"
+    return Marker(format_version=FORMAT_VERSION, generation=generation, save_id=sid, time=time.time(),
+                  tensors=len(metas), ranks=sorted(manifests), metadata_sha256=metadata_digest(raw),
+                  form="directory" if located is None else "packed", references_sha256=refs_digest,
+                  locations=locations, **summary_seal(raw))
 
 
 def write_metadata(gen: Storage, metas: dict[str, ArrayMeta], leaves: dict[str, Any]) -> bytes:
@@ -162,7 +233,7 @@ def metadata_documents(metas: dict[str, ArrayMeta], leaves: dict[str, Any]) -> t
     return {f"{path}/zarr.json": text.encode() for path, text in docs.items()}, root_document(metas, docs, leaves)
 
 
-def check_reused(root: Storage, generation: str, located: dict[str, tuple[str, int, int]]) -> None:
+def check_reused(root: Storage, generation: str, objects: Iterable[str]) -> None:
     """Check that the objects an incremental save reuses (outside its own generation) are still there.
 
     Raises
@@ -170,7 +241,7 @@ def check_reused(root: Storage, generation: str, located: dict[str, tuple[str, i
     CheckpointNotFoundError
         If one is gone (its save was deleted by retention or ``gc`` meanwhile).
     """
-    reused = sorted(obj for obj in objects_of(located) if not obj.startswith(f"{generation}/"))
+    reused = sorted(obj for obj in set(objects) if not obj.startswith(f"{generation}/"))
     found = pool.run_all([functools.partial(root.has, obj) for obj in reused], root.local)  # GETs, no listing
     gone = [obj for obj, there in zip(reused, found, strict=True) if not there]
     if gone:

@@ -25,11 +25,13 @@ or, for an incremental save whose base is a checkpoint beside it (a manager's
 
 from __future__ import annotations
 
+import itertools
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from reshard.layouts.errors import FormatError
 
 #: The two storage forms: one object per zarr key, or per-rank data objects + references.
@@ -64,6 +66,10 @@ TRAILER_MAGIC = b"RSHDMAN2"
 TRAILER_MAGIC_V1 = b"RSHDMAN1"
 #: Bytes of the trailer after the manifest: the two lengths (uint64, little endian) and the magic.
 TRAILER_BYTES = 24
+#: The last 8 bytes of a third-form trailer (:mod:`reshard.store.format.table`): records once per layout group.
+TRAILER_MAGIC_V3 = b"RSHDMAN3"
+#: Bytes after the manifest in a third-form trailer: three lengths and the magic.
+TRAILER_BYTES_V3 = 32
 
 
 def rank_object(rank: int) -> str:
@@ -90,10 +96,14 @@ def trailer(manifest: bytes, tensors: bytes) -> bytes:
 
 
 def trailer_lengths(where: str, tail: bytes) -> tuple[int, int, int]:
-    """(trailer footer bytes, tensor records length, manifest length) from a data object's last bytes.
+    """(trailer footer bytes, tensor records length, manifest length) from a data object's last bytes
+    (third form: the records and the shard table together as the second).
 
     A FormatError if it does not end with a trailer.
     """
+    if len(tail) >= TRAILER_BYTES_V3 and tail[-8:] == TRAILER_MAGIC_V3:  # records and table before the manifest
+        return (TRAILER_BYTES_V3, int.from_bytes(tail[-32:-24], "little") + int.from_bytes(tail[-24:-16], "little"),
+                int.from_bytes(tail[-16:-8], "little"))
     if len(tail) >= TRAILER_BYTES and tail[-8:] == TRAILER_MAGIC:
         return TRAILER_BYTES, int.from_bytes(tail[-24:-16], "little"), int.from_bytes(tail[-16:-8], "little")
     if len(tail) >= 16 and tail[-8:] == TRAILER_MAGIC_V1:
@@ -117,6 +127,45 @@ def build(documents: Mapping[str, bytes], shards: Mapping[str, Location]) -> byt
     urls = {obj: _PARENT + obj[3:] if obj.startswith("../") else _PREFIX + obj for obj in objects_of(shards)}
     refs.update((key, [urls[obj], offset, length]) for key, (obj, offset, length) in shards.items())
     return json.dumps({"version": 1, "templates": templates_for(urls), "refs": refs}, separators=(",", ":")).encode()
+
+
+def stream(documents: Mapping[str, bytes], paths: Sequence[str], grids: Sequence[tuple[int, ...]],
+           objects: Sequence[str], obj: np.ndarray, off: np.ndarray, length: np.ndarray,
+           batch: int = 1 << 16) -> Iterator[bytes]:
+    """The references file of a save, in pieces: the same bytes :func:`build` makes, without holding them.
+
+    ``paths[t]`` and ``grids[t]``: tensor ``t``'s zarr path and shards per dimension;
+    shard ``i`` (tensors in order, each in C order of its grid) lies in
+    ``objects[obj[i]]`` from ``off[i]`` for ``length[i]`` bytes.
+    """
+    urls = {o: _PARENT + o[3:] if o.startswith("../") else _PREFIX + o for o in objects}
+    head = json.dumps({"version": 1, "templates": templates_for(objects), "refs": {}},
+                      separators=(",", ":"))
+    yield head[:-2].encode()  # '..."refs":{'
+    first = True
+    for key, doc in documents.items():
+        yield (("" if first else ",") + json.dumps(key) + ":" + json.dumps(doc.decode())).encode()
+        first = False
+    quoted = [json.dumps(urls[o]) for o in objects]
+    suffixes: dict[tuple[int, ...], list[str]] = {}  # tensors share a few grids: their keys' ends made once
+    at = 0
+    for path, grid in zip(paths, grids, strict=True):
+        ends = suffixes.get(grid)
+        if ends is None:
+            ends = suffixes[grid] = ["/" + "/".join(map(str, i)) for i in itertools.product(*map(range, grid))] \
+                if grid else [""]
+        prefix = json.dumps(path + "/c")[:-1]  # '"<escaped path>/c'
+        n = len(ends)
+        for lo in range(0, n, batch):
+            hi = min(n, lo + batch)
+            us = [quoted[o] for o in obj[at + lo : at + hi].tolist()]
+            text = ",".join([f'{prefix}{e}":[{u},{a},{b}]' for e, u, a, b in
+                             zip(ends[lo:hi], us, off[at + lo : at + hi].tolist(), length[at + lo : at + hi].tolist(),
+                                 strict=True)])
+            yield (("" if first else ",") + text).encode()
+            first = False
+        at += n
+    yield b"}}"
 
 
 def objects_of(shards: Mapping[str, Location]) -> set[str]:

@@ -243,12 +243,16 @@ def marker_fields(doc: Any, where: str) -> dict[str, Any]:
                                      and _HEX64.fullmatch(seal[1])):
         raise _fail(where, "summary_bytes/summary_sha256", "an int >= 1 and 64 lowercase hex digits, or absent",
                     list(seal))
+    parquet = doc.get("parquet_sha256")
+    if parquet is not None and (not isinstance(parquet, str) or not _HEX64.fullmatch(parquet) or form != "packed"):
+        raise _fail(where, "parquet_sha256", "64 lowercase hex digits (packed form only), or absent", parquet)
     locations = doc.get("locations")
     if locations not in (None, "ranks", "references") or (locations is not None and form != "packed"):
         raise _fail(where, "locations", "'ranks' or 'references' (packed form only), or absent", locations)
     out.update(generation=generation, save_id=None if save_id is None else str(save_id), time=float(time),
                tensors=tensors, ranks=list(int_list(ranks, where, "ranks")), metadata_sha256=digest, form=form,
-               references_sha256=refs_digest, locations=locations, summary_bytes=seal[0], summary_sha256=seal[1])
+               references_sha256=refs_digest, locations=locations, summary_bytes=seal[0], summary_sha256=seal[1],
+               parquet_sha256=parquet)
     return out
 
 
@@ -277,6 +281,9 @@ def check_manifest(doc: Any, where: str) -> dict[str, Any]:
     leaves = get(doc, "leaves", where)
     if not isinstance(leaves, dict):
         raise _fail(where, "leaves", "an object", leaves)
+    if "groups" in doc and "tensors" not in doc:  # a third-form trailer's (reshard.store.format.table)
+        _check_groups(doc, where)
+        return doc
     if "tensors_sha256" in doc and "tensors" not in doc:
         sha = doc["tensors_sha256"]
         if not isinstance(sha, str) or not _HEX64.fullmatch(sha):
@@ -284,6 +291,22 @@ def check_manifest(doc: Any, where: str) -> dict[str, Any]:
         return doc
     check_tensors(get(doc, "tensors", where), where)
     return doc
+
+
+def _check_groups(doc: dict[str, Any], where: str) -> None:
+    """``groups`` (``[[sha256, carrier rank, tensors], ...]``), ``carried`` (``[[sha256, length], ...]``) and
+    ``table_sha256`` of a third-form trailer's manifest."""
+    groups, carried, table = doc["groups"], doc.get("carried", []), doc.get("table_sha256")
+    if type(groups) is not list or not all(
+            type(g) is list and len(g) == 3 and isinstance(g[0], str) and _HEX64.fullmatch(g[0])
+            and is_int(g[1]) and g[1] >= 0 and is_int(g[2]) and g[2] >= 0 for g in groups):
+        raise _fail(where, "groups", "a list of [sha256, carrier rank, tensors]", groups)
+    if type(carried) is not list or not all(
+            type(c) is list and len(c) == 2 and isinstance(c[0], str) and _HEX64.fullmatch(c[0])
+            and is_int(c[1]) and c[1] >= 0 for c in carried):
+        raise _fail(where, "carried", "a list of [sha256, length]", carried)
+    if not isinstance(table, str) or not _HEX64.fullmatch(table):
+        raise _fail(where, "table_sha256", "a sha256 hex digest", table)
 
 
 def check_tensors(tensors: Any, where: str) -> dict[str, Any]:

@@ -11,11 +11,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import errno
+import hashlib
 import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import fsspec
@@ -301,6 +302,82 @@ class Storage:
             blob = parts[0] if len(parts) == 1 else b"".join(parts)
             self._call(key, lambda: self.fs.pipe_file(self.path(key), bytes(blob)))
         self.count(writes=1, bytes_written=nbytes)
+
+    def write_stream(self, key: str, chunks: Iterable[bytes], part_bytes: int = 16 << 20) -> str:
+        """Write (or replace) one object from pieces made as it goes, never all held; its sha256 (hex).
+
+        Local files are written piece by piece (fsynced at the end when durable);
+        object stores get one upload, in parts of ``part_bytes`` (a multipart upload on S3).
+        """
+        digest = hashlib.sha256()
+        nbytes = 0
+        if self.local:
+            path = self.path(key)
+            with self._naming(key):
+                self._makedirs(os.path.dirname(path))
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    pending: list[bytes] = []
+                    held = 0
+                    for chunk in chunks:
+                        digest.update(chunk)
+                        nbytes += len(chunk)
+                        pending.append(chunk)
+                        held += len(chunk)
+                        if held >= part_bytes or len(pending) >= _IOV_MAX:
+                            _writev_all(fd, pending)
+                            pending, held = [], 0
+                    if pending:
+                        _writev_all(fd, pending)
+                    if self.durable:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+        else:
+            started: list[bool] = []
+
+            def upload() -> None:
+                nonlocal nbytes
+                if started:  # a retry cannot replay the pieces already consumed
+                    raise StorageError(f"{self.url}/{key}: the upload failed part way; write it again")
+                started.append(True)
+                with self.fs.open(self.path(key), "wb", block_size=part_bytes) as f:
+                    for chunk in chunks:
+                        digest.update(chunk)
+                        nbytes += len(chunk)
+                        f.write(chunk)
+
+            self._call(key, upload)
+        self.count(writes=1, bytes_written=nbytes)
+        return digest.hexdigest()
+
+    def digest(self, key: str, piece: int = 16 << 20) -> str:
+        """The sha256 (hex) of an object, read in pieces of ``piece`` bytes (never held whole).
+
+        Raises
+        ------
+        FileNotFoundError
+            If there is no such object.
+        """
+        h = hashlib.sha256()
+        if self.local:
+            fd = self._call(key, lambda: self._local_fd(key))  # a regular file reached through no link
+            try:
+                while block := os.read(fd, piece):
+                    h.update(block)
+                    self.count(bytes_fetched=len(block))
+            finally:
+                os.close(fd)
+        else:
+            def read() -> None:
+                with self.fs.open(self.path(key), "rb", block_size=piece) as f:
+                    while block := f.read(piece):
+                        h.update(block)
+                        self.count(bytes_fetched=len(block))
+
+            self._call(key, read)
+        self.count(requests=1)
+        return h.hexdigest()
 
     def write_atomic(self, key: str, data: bytes | Sequence[Any]) -> None:
         """Write (or replace) one object so that readers see the old or the new bytes, never a mix or a part.

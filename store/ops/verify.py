@@ -13,32 +13,35 @@ path as ``load`` (shard indexes and chunks crc32c-checked). Each problem is a
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
-import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
 from reshard.layouts.errors import (
     CheckpointNotFoundError,
-    ChecksumError,
     ReshardError,
     StorageError,
     UncommittedCheckpointError,
 )
 
-from ..commit.locate import read_references
+from ..commit.locate import ByArrays, read_references
 from ..commit.marker import Marker, generation_storage, read_marker, read_root_document
+from ..commit.merge import merge_ranks, third_form
+from ..commit.protocol import metadata_documents
+from ..format import parquet as references_parquet
 from ..format.manifests import merge_manifests, merge_packed, read_manifest
 from ..format.meta import ArrayMeta, stored_name
 from ..format.refs import REFS_KEY, References, objects_of, templates_for
+from ..format.refs import stream as references_stream
 from ..format.schema import check_group, check_root, loads_json
 from ..io.storage import Storage
 from ..read.checkpoint import Checkpoint
 from ..read.open import _file_not_checkpoint as file_not_checkpoint
 from ..read.open import open, parse_metadata
+from .verify_data import check_data as _check_data
 
 #: Every kind of damage :func:`verify` reports (docs/cli.md describes each).
 KINDS = {
@@ -54,10 +57,6 @@ KINDS = {
     "checksum": "a chunk's bytes fail their crc32c",
     "replaced": "the checkpoint was committed anew while it was verified",
 }
-
-#: Bytes of one tensor read at a time (bounded memory).
-SLAB_BYTES = 32 << 20
-
 
 @dataclass(frozen=True)
 class Damage:
@@ -139,6 +138,8 @@ def verify(url: str, *, storage_options: dict[str, Any] | None = None, data: boo
             ckpt = _uncommitted(root, storage_options, report)
         else:
             ckpt = _committed(root, found[0], storage_options, report)
+            if ckpt is not None and found[0].parquet_sha256 is not None:
+                _check_parquet(generation_storage(root, found[0]), found[0], ckpt, report)
     if ckpt is not None:
         report.tensors = len(ckpt.arrays)
         report.without_checksums = sorted(n for n, m in ckpt.arrays.items() if not m.checksums)
@@ -170,6 +171,10 @@ def _committed(root: Storage, marker: Marker, storage_options: dict[str, Any] | 
                report: VerifyReport) -> Checkpoint | None:
     report.committed = True
     gen = generation_storage(root, marker)
+    if marker.form == "packed" and marker.locations == "ranks" and marker.ranks and third_form(gen, min(marker.ranks)):
+        done = _committed_streaming(root, gen, marker, storage_options, report)
+        if done is not None:
+            return done
     where = f"{gen.url}/zarr.json"
     if marker.locations is not None:  # the packed form's root document, an object of its own: name it
         with contextlib.suppress(FileNotFoundError):
@@ -199,6 +204,69 @@ def _committed(root: Storage, marker: Marker, storage_options: dict[str, Any] | 
     except ReshardError as e:  # replaced meanwhile
         report.add("replaced", root.url, e)
         return None
+
+
+def _committed_streaming(root: Storage, gen: Storage, marker: Marker, storage_options: dict[str, Any] | None,
+                         report: VerifyReport) -> Checkpoint | None:
+    """A save whose ranks wrote third-form trailers, checked in memory that grows with tensors and ranks, not
+    their product: the ranks' trailers merged as the commit merges them, the references rebuilt from that merge
+    as a stream and compared by digest, every shard read through the merge. None: something differs, and the
+    general checks (which hold every location, and say which shard differs) take over."""
+    try:
+        where, raw = read_root_document(gen, marker)
+        where = f"{gen.url}/{where}"
+        arrays, leaves = parse_metadata(where, raw, marker)
+        for meta in arrays.values():
+            meta.layout  # noqa: B018 - a deferred record parses and validates its document on first use
+            meta.validate()
+        merged = merge_ranks(gen, marker.save_id, list(marker.ranks), fresh=True)
+    except (ReshardError, FileNotFoundError):
+        return None  # reported by the general checks
+    if merged is None or list(merged.metas) != list(arrays) or json.dumps(merged.leaves, sort_keys=True) != \
+            json.dumps(leaves, sort_keys=True):
+        return None
+    if any(getattr(arrays[n], f) != getattr(m, f) for n, m in merged.metas.items()
+           for f in ("shape", "dtype", "shard", "chunk", "layout", "checksums", "compressor")):
+        return None
+    docs, _ = metadata_documents(merged.metas, merged.leaves)
+    metas = list(merged.metas.values())
+    rebuilt = hashlib.sha256()
+    for piece in references_stream({"zarr.json": raw, **docs}, [m.path for m in metas], [m.grid for m in metas],
+                                   merged.objects, merged.obj, merged.off, merged.length):
+        rebuilt.update(piece)
+    try:
+        stored = gen.digest(REFS_KEY)
+    except FileNotFoundError:
+        return None
+    if rebuilt.hexdigest() != marker.references_sha256 or stored != marker.references_sha256:
+        return None
+    report.files_checked += len(docs) + len(marker.ranks) + 1
+    try:
+        ckpt = open(root.url, storage_options=storage_options)
+    except ReshardError as e:  # replaced meanwhile
+        report.add("replaced", root.url, e)
+        return None
+    ckpt.fetcher.locator = ByArrays(gen, merged)  # every shard where the merge says, no dict of every shard
+    return ckpt
+
+
+def _check_parquet(gen: Storage, marker: Marker, ckpt: Checkpoint, report: VerifyReport) -> None:
+    """The save's parquet references (what plain zarr may read instead of ``refs.json``) against the digest its
+    marker records: every file there, none changed."""
+    metas = list(ckpt.arrays.values())
+    shas = []
+    where = f"{gen.url}/{references_parquet.PARQUET_KEY}"
+    for key in references_parquet.keys([m.path for m in metas], [m.grid for m in metas]):
+        try:
+            shas.append(gen.digest(f"{references_parquet.PARQUET_KEY}/{key}"))
+        except FileNotFoundError:
+            report.add("references", f"{where}/{key}", "missing: a parquet references file of the save is gone")
+            return
+    report.files_checked += len(shas)
+    if references_parquet.digest(shas) != marker.parquet_sha256:
+        report.add("references", where, "the parquet references do not match the digest the commit marker names: "
+                                        "a file was edited, truncated or replaced (refs.json and reshard's reads "
+                                        "are not affected; plain zarr readers of refs.parq are)")
 
 
 def documents(gen: Storage, marker: Marker, report: VerifyReport
@@ -321,33 +389,3 @@ def _check_references(gen: Storage, manifests: dict[int, dict[str, Any]], metas:
     if refs.templates != templates:
         report.add("references", where, f"templates {refs.templates!r:.80} where {templates} is "
                                          "right: fsspec's reference:// resolves the shard urls with them")
-
-
-def _check_data(ckpt: Checkpoint, report: VerifyReport, progress: Callable[[int], None] | None) -> None:
-    ckpt.fetcher.read_indexes = True  # every shard's index too, not only its chunks
-    for name, meta in ckpt.arrays.items():
-        try:
-            for region in _slabs(meta):
-                dest = np.empty(tuple(r.stop - r.start for r in region), dtype=meta.np_dtype)
-                ckpt.read_regions([(meta, region, dest)])
-                if progress is not None:
-                    progress(dest.nbytes)
-            report.bytes_checked += meta.nbytes
-            report.chunks_checked += math.prod(-(-n // c) for n, c in zip(meta.shape, meta.chunk, strict=True))
-        except ChecksumError as e:
-            report.add("checksum", f"tensor {name!r}", e)
-        except (ReshardError, OSError) as e:
-            kind = "replaced" if type(e).__name__ == "CheckpointReplacedError" else "shard"
-            report.add(kind, f"tensor {name!r}", e)
-
-
-def _slabs(meta: ArrayMeta) -> list[tuple[slice, ...]]:
-    """Regions of at most about :data:`SLAB_BYTES` along dim 0 (whole chunks) covering a tensor."""
-    if not meta.shape:
-        return [()]
-    rest = tuple(slice(0, n) for n in meta.shape[1:])
-    row = meta.np_dtype.itemsize * math.prod(meta.shape[1:])
-    step = max(1, SLAB_BYTES // max(row, 1))
-    if step >= meta.chunk[0]:
-        step -= step % meta.chunk[0]
-    return [(slice(i, min(i + step, meta.shape[0])), *rest) for i in range(0, meta.shape[0], step)]

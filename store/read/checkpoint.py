@@ -201,11 +201,16 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
         ------
         CheckpointReplacedError
             The URL was committed anew (or its save deleted) since this view was opened.
+        FormatError
+            An object of the save is missing (a snapshot whose save was deleted, or an incomplete copy).
         """
         try:
             stats = self.fetcher.read_regions(jobs)
-        except (FileNotFoundError, FormatError):
+        except (FileNotFoundError, FormatError) as e:
             self.check_current()  # a missing object of a replaced save says so
+            if isinstance(e, FileNotFoundError):  # a snapshot (check_current=False) whose save is gone, or a copy
+                raise FormatError(f"{self.url}: {e.filename or e} is missing: the save this view reads was "
+                                  "deleted (gc or retention) or copied incompletely") from None
             raise
         self.check_current()  # after the read: what it returns was the checkpoint when it returned
         return stats

@@ -143,7 +143,7 @@ class Base:
         if rank not in self.ranks:
             return Reusable()
         try:  # a rank's manifest rides at the end of its data object; block writers wrote JSON ones
-            manifest = read_manifest(self._gen, rank, "packed")
+            manifest = read_manifest(self._gen, rank, "packed", tensors=False)  # locations and hashes only
         except FileNotFoundError:
             try:
                 manifest = read_manifest(self._gen, rank)

@@ -23,7 +23,6 @@ Nothing is renamed (object stores cannot) and readers trust only the marker.
 from __future__ import annotations
 
 import functools
-import hashlib
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -41,10 +40,11 @@ from ..commit.marker import Marker, generation_of, read_marker, save_id_of
 from ..commit.protocol import commit
 from ..format.dtypes import dtype_name
 from ..format.encode import encode_shard
-from ..format.manifests import has_written, manifest_key, rank_manifest, records_json
+from ..format.manifests import has_written, manifest_key, rank_manifest
 from ..format.meta import DEFAULT_CHUNK_BYTES, ArrayMeta, tensor_path
-from ..format.refs import DEFAULT_OBJECT_BYTES, PACKED_DIR, check_form, trailer
+from ..format.refs import DEFAULT_OBJECT_BYTES, PACKED_DIR, check_form
 from ..format.schema import check_names, with_digest
+from ..format.table import rank_trailer, shard_table
 from ..format.tree import LayoutSpec, flatten, json_leaves, resolve_layout
 from ..io import packed, pool
 from ..io.gcpause import gc_paused
@@ -220,16 +220,19 @@ class CheckpointWriter:
         mine = [(p, tensors[n]) for n, p in sorted(plans.items(), key=_geometry) if p.at(rank).writes]
         if self.form == "packed":  # one object: the shards back to back, then the manifest
             reuse = self.base.for_rank(rank) if self.base is not None else Reusable()
-            blobs = self._encode([(p.meta, idx, take(arr, within), how) for p, arr in mine
-                                  for idx, within, how in p.at(rank).shards], reuse)
+            order = [(p.meta, idx, take(arr, within), how) for p, arr in mine
+                     for idx, within, how in p.at(rank).shards]
+            blobs = self._encode(order, reuse)
             found = {key: reuse.find(key, sha) for key, parts, sha in blobs if parts is None}
             fresh = [(key, parts) for key, parts, _ in blobs if parts is not None]
             objects, where = packed.plan_pack(f"{self.generation}/{PACKED_DIR}", str(rank), fresh, self.object_bytes)
-            manifest["packed"] = {k: list(v) for k, v in {**found, **where}.items() if v is not None}
-            manifest["hashes"] = {key: sha for key, _, sha in blobs}
-            records = records_json(plans[n].text for n in manifest.pop("tensors"))
-            manifest["tensors_sha256"] = hashlib.sha256(records).hexdigest()
-            packed.write_objects(self.root, objects, trailer(with_digest(manifest), records))
+            # the trailer: this rank's layout groups' records if it carries them, its shard table, its manifest
+            texts = {n: (plans[n].text, plans[n].meta.layout) for n in manifest.pop("tensors")}
+            table = shard_table({n: (plans[n].meta, texts[n][0]) for n in texts},
+                                [(m, idx) for m, idx, _, _ in order],
+                                {**where, **{k: v for k, v in found.items() if v is not None}},
+                                {key: sha for key, _, sha in blobs})
+            packed.write_objects(self.root, objects, rank_trailer(rank, manifest, texts, table))
         else:
             pool.run_all([job for p, arr in mine for job in self._shard_jobs(p.meta, p.at(rank).region, arr,
                                                                                  p.at(rank).shards)],

@@ -6,7 +6,8 @@ dropped or added, a list shortened or lengthened), in every metadata document:
 the marker, the root ``zarr.json``, array and group ``zarr.json``, and a rank's
 manifest before the commit; in the packed form also the references file (its
 inline documents and shard locations) and a rank's manifest and tensor records
-inside the trailer of its data object. Two modes:
+inside the trailer of its data object (the carrier rank's shared layout-group records, every rank's
+shard table). Two modes:
 
 * ``raw``: the edit alone (corruption, or a hand edit). Open, read, commit must
   refuse it (ReshardError naming the file or tensor) or return the saved data
@@ -34,8 +35,9 @@ import pytest
 import reshard.store as rs
 from harness import RANKS, Backend, Tally, attempt, make_state, read_back, rng_for, same, save, trials
 from reshard.store.format.consolidated import summary_seal
-from reshard.store.format.refs import REFS_KEY, trailer, trailer_lengths
+from reshard.store.format.refs import REFS_KEY, TRAILER_MAGIC_V3
 from reshard.store.format.schema import with_digest
+from reshard.store.format.table import trailer_parts
 from reshard.store.ops.verify import verify
 
 STRINGS = ["", "x", "float32", "int32", "uint8", "float64", "bfloat16", "array", "group", "regular", "zstd",
@@ -124,11 +126,23 @@ def _node_keys(backend: Backend, gen: str, node: str, form: str) -> list[str]:
 
 
 def _trailer(path: str, raw: bytes) -> dict[str, bytes]:
-    """A packed data object's parts: its shards (``body``), tensor ``records`` and ``manifest``."""
-    footer, n_records, n_manifest = trailer_lengths(path, raw)
+    """A packed data object's parts: its shards (``body``), the tensor ``records`` it carries, its shard
+    ``table`` and ``manifest`` (third form; :mod:`reshard.store.format.table`)."""
+    footer, n_records, n_table, n_manifest = trailer_parts(path, raw)
     manifest = len(raw) - footer - n_manifest
-    return {"body": raw[: manifest - n_records], "records": raw[manifest - n_records : manifest],
-            "manifest": raw[manifest : len(raw) - footer]}
+    table = manifest - n_table
+    records = raw[table - n_records : table]
+    carried = json.loads(raw[manifest : len(raw) - footer])["carried"]
+    first = carried[0][1] if carried else 0  # the first layout group's records; the others after them
+    return {"body": raw[: table - n_records], "records": records[:first], "others": records[first:],
+            "table": raw[table:manifest], "manifest": raw[manifest : len(raw) - footer]}
+
+
+def _pack(parts: dict[str, bytes]) -> bytes:
+    """The inverse of :func:`_trailer`."""
+    records, table, manifest = parts["records"] + parts["others"], parts["table"], parts["manifest"]
+    return b"".join([parts["body"], records, table, manifest, *(len(p).to_bytes(8, "little") for p in
+                                                                (records, table, manifest)), TRAILER_MAGIC_V3])
 
 
 def read_doc(backend: Backend, key: str) -> bytes:
@@ -153,7 +167,7 @@ def write_doc(backend: Backend, key: str, doc: bytes) -> None:
         backend.write(path, json.dumps(refs).encode())
     else:
         parts = {**_trailer(path, backend.read(path)), part: doc}
-        backend.write(path, parts["body"] + trailer(parts["manifest"], parts["records"]))
+        backend.write(path, _pack(parts))
 
 
 def _manifest_keys(gen: str, form: str) -> list[str]:
@@ -164,9 +178,9 @@ def _manifest_keys(gen: str, form: str) -> list[str]:
 
 CASES = [("marker", "raw"), ("marker", "consistent"), ("root-json", "raw"), ("root-json", "consistent"),
          ("array-json", "raw"), ("group-json", "raw"), ("manifest", "raw"), ("references", "raw"),
-         ("references", "consistent"), ("records", "raw")]
+         ("references", "consistent"), ("records", "raw"), ("table", "raw")]
 #: Documents only the packed form has.
-PACKED_ONLY = {"references", "records"}
+PACKED_ONLY = {"references", "records", "table"}
 #: Documents reshard's reader does not read (it reads the consolidated root; the packed form locates shards
 #: through the ranks' manifests), which zarr-python, TensorStore or fsspec do, or (tensor records) that a
 #: committer takes from its cache of the same sha256: an edit there must be reported by ``verify``.
@@ -182,12 +196,13 @@ def test_fuzzed_metadata_is_refused_or_reads_exactly(backend: Backend, form: str
     rng = rng_for("fuzz", backend.name, form, doc, mode)
     tally = Tally(f"fuzz[{backend.name}-{form}-{doc}-{mode}]")
     state = make_state(rng)
-    committed = doc not in ("manifest", "records")
+    committed = doc not in ("manifest", "records", "table")
     save(state, backend, form, "base", commit=committed)
     gen = _marker(backend)["generation"] if committed else "gen-base"
     keys = {"marker": [".reshard/commit.json"], "root-json": [_root_key(gen, form)],
             "manifest": _manifest_keys(gen, form), "references": [f"{gen}/{REFS_KEY}"],
-            "records": [f"{gen}/packed/{r}.bin#records" for r in range(RANKS)]}
+            "records": [f"{gen}/packed/0.bin#records"],  # the carrier of the one layout group: rank 0
+            "table": [f"{gen}/packed/{r}.bin#table" for r in range(RANKS)]}
     if committed:
         keys.update({"array-json": _node_keys(backend, gen, "array", form),
                      "group-json": _node_keys(backend, gen, "group", form)})
