@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 import math
 import re
 from collections.abc import Callable, Iterator
@@ -399,17 +400,32 @@ class ArrayMeta:
         FormatError
             Anything malformed, naming ``where`` and the tensor.
         """
-        f = check_array(name, doc, where)
-        layout = f["layout"]
-        if f["shape"]:
-            allowed = allowed_grids(layout)
-            if not any((g.shard, g.edges) == (f["shard"], f["edges"]) for g in allowed):
-                grid = [list(e) for e in f["edges"]] if f["edges"] is not None else list(f["shard"])
-                raise FormatError(f"{where}: tensor {name!r}: shard grid {grid} is not a grid of its "
-                                  f"layout {layout.describe()}")
+        # Tensors of one shape, dtype and layout have one document but for their dimension names: checked once
+        key = json.dumps({k: v for k, v in doc.items() if k != "dimension_names"}, separators=(",", ":")) \
+            if isinstance(doc, dict) else None
+        f = _CHECKED.get(key) if key is not None else None
+        if f is None:
+            f = check_array(name, doc, where)
+            layout = f["layout"]
+            if f["shape"]:
+                allowed = allowed_grids(layout)
+                if not any((g.shard, g.edges) == (f["shard"], f["edges"]) for g in allowed):
+                    grid = [list(e) for e in f["edges"]] if f["edges"] is not None else list(f["shard"])
+                    raise FormatError(f"{where}: tensor {name!r}: shard grid {grid} is not a grid of its "
+                                      f"layout {layout.describe()}")
+            if key is not None:
+                if len(_CHECKED) >= _CHECKED_KEPT:
+                    _CHECKED.clear()
+                _CHECKED[key] = f
         return cls(name=name, shape=f["shape"], dtype=f["dtype"], shard=f["shard"], chunk=f["chunk"],
-                   layout=layout, checksums=f["checksums"], compressor=f["compressor"], origin=f["origin"],
+                   layout=f["layout"], checksums=f["checksums"], compressor=f["compressor"], origin=f["origin"],
                    edges=f["edges"])
+
+
+#: Array documents checked (:meth:`ArrayMeta.from_zarr_json`), by their JSON without dimension names: a model's
+#: layers repeat a few shapes and layouts over thousands of tensors (issue 26: 10,000 tensors opened 0.3 s faster).
+_CHECKED: dict[str, dict[str, Any]] = {}
+_CHECKED_KEPT = 4096
 
 
 def dimension_names(name: str, ndim: int) -> list[str]:
