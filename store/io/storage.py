@@ -286,22 +286,28 @@ class Storage:
         parts = [data] if isinstance(data, bytes | bytearray | memoryview) else list(data)
         nbytes = sum(memoryview(p).nbytes for p in parts)
         if self.local:
-            path = self.path(key)
-            with self._naming(key):
-                self._makedirs(os.path.dirname(path))
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                try:
-                    if not (self.durable and direct.write(fd, parts)):  # durable: around the page cache
-                        for i in range(0, len(parts), _IOV_MAX):
-                            _writev_all(fd, parts[i : i + _IOV_MAX])
-                    if self.durable:
-                        os.fsync(fd)
-                finally:
-                    os.close(fd)
+            with self._created(key) as fd:
+                if not (self.durable and direct.write(fd, parts)):  # durable: around the page cache
+                    for i in range(0, len(parts), _IOV_MAX):
+                        _writev_all(fd, parts[i : i + _IOV_MAX])
         else:
             blob = parts[0] if len(parts) == 1 else b"".join(parts)
             self._call(key, lambda: self.fs.pipe_file(self.path(key), bytes(blob)))
         self.count(writes=1, bytes_written=nbytes)
+
+    @contextlib.contextmanager
+    def _created(self, key: str) -> Iterator[int]:
+        """A local object opened for writing (created or emptied, its folders made); fsynced when durable."""
+        path = self.path(key)
+        with self._naming(key):
+            self._makedirs(os.path.dirname(path))
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                yield fd
+                if self.durable:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def write_stream(self, key: str, chunks: Iterable[bytes], part_bytes: int = 16 << 20) -> str:
         """Write (or replace) one object from pieces made as it goes, never all held; its sha256 (hex).
@@ -312,27 +318,19 @@ class Storage:
         digest = hashlib.sha256()
         nbytes = 0
         if self.local:
-            path = self.path(key)
-            with self._naming(key):
-                self._makedirs(os.path.dirname(path))
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                try:
-                    pending: list[bytes] = []
-                    held = 0
-                    for chunk in chunks:
-                        digest.update(chunk)
-                        nbytes += len(chunk)
-                        pending.append(chunk)
-                        held += len(chunk)
-                        if held >= part_bytes or len(pending) >= _IOV_MAX:
-                            _writev_all(fd, pending)
-                            pending, held = [], 0
-                    if pending:
+            with self._created(key) as fd:
+                pending: list[bytes] = []
+                held = 0
+                for chunk in chunks:
+                    digest.update(chunk)
+                    nbytes += len(chunk)
+                    pending.append(chunk)
+                    held += len(chunk)
+                    if held >= part_bytes or len(pending) >= _IOV_MAX:
                         _writev_all(fd, pending)
-                    if self.durable:
-                        os.fsync(fd)
-                finally:
-                    os.close(fd)
+                        pending, held = [], 0
+                if pending:
+                    _writev_all(fd, pending)
         else:
             started: list[bool] = []
 
