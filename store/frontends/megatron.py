@@ -40,6 +40,7 @@ from ..format.tree import to_json
 from ..io.storage import Storage
 from ..write.writer import create, single_process
 from .dcp import _dcp_item, _DCPMetadataUnpickler, _regroup
+from .megatron_buckets import BUCKET_OBJECTS, is_bucket_key, place_buckets
 from .pt_files import load_pt, stub_class
 from .sources import local_path, refuse_empty
 
@@ -136,7 +137,12 @@ def import_megatron(src: str, dst: str, **options: Any) -> dict[str, Any]:
     dtypes: dict[str, str] = {}
     items: dict[str, Any] = {}
     skipped: list[str] = []
+    buckets = place_buckets(store, md, where)
+    for name, bucket in buckets.items():
+        layouts[name], dtypes[name] = bucket.layout, bucket.dtype
     for fqn, item in md.state_dict_metadata.items():
+        if is_bucket_key(fqn) or (buckets and BUCKET_OBJECTS.fullmatch(fqn)):
+            continue  # read by place_buckets: the state is imported per parameter
         if not hasattr(item, "chunks"):
             try:
                 items[fqn] = to_json(_dcp_item(store, where[(fqn, None)], f"item {fqn!r}"), fqn)
@@ -175,22 +181,31 @@ def import_megatron(src: str, dst: str, **options: Any) -> dict[str, Any]:
                 total += array.nbytes
             continue
         assert isinstance(lay, FlatLayout)
-        whole = np.empty(lay.shape, dtype=meta.np_dtype)
-        pieces: dict[tuple[int, ...], np.ndarray] = {}
-        for chunk, (_, off, block, start, stop, _) in zip(md.state_dict_metadata[fqn].chunks, lay.ranges,
-                                                          strict=True):
-            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
-            array = _chunk(store, where, fqn, offsets, sizes, to_numpy)
-            pieces.setdefault(off, np.empty(math.prod(block), dtype=meta.np_dtype))[start:stop] = array.reshape(-1)
-        for (_, off, block, _, _, _) in lay.ranges:
-            if off in pieces:
-                whole[tuple(slice(o, o + b) for o, b in zip(off, block, strict=True))] = pieces.pop(off).reshape(block)
+        if fqn in buckets:
+            sources = buckets[fqn].sources
+            arrays = (_chunk(store, where, src, (off,), (n,), to_numpy) for src, off, n in sources)
+        else:
+            arrays = (_chunk(store, where, fqn, tuple(c.offsets), tuple(c.sizes), to_numpy)
+                      for c in md.state_dict_metadata[fqn].chunks)
+        whole = _integrate(lay, meta.np_dtype, arrays)
         writer.write_block(meta, tuple(slice(0, n) for n in lay.shape), whole)
         total += whole.nbytes
     writer.write_manifests(metas, leaves)
     writer.commit()
     return {"tensors": len(layouts), "flat": sum(isinstance(x, FlatLayout) for x in layouts.values()),
             "leaves": len(leaves), "bytes": total, "skipped": skipped}
+
+
+def _integrate(lay: FlatLayout, dtype: Any, arrays: Any) -> np.ndarray:
+    """The tensor of a flat layout from its ranges' arrays (one per range, in order)."""
+    whole = np.empty(lay.shape, dtype=dtype)
+    pieces: dict[tuple[int, ...], np.ndarray] = {}
+    for array, (_, off, block, start, stop, _) in zip(arrays, lay.ranges, strict=True):
+        pieces.setdefault(off, np.empty(math.prod(block), dtype=dtype))[start:stop] = array.reshape(-1)
+    for (_, off, block, _, _, _) in lay.ranges:
+        if off in pieces:
+            whole[tuple(slice(o, o + b) for o, b in zip(off, block, strict=True))] = pieces.pop(off).reshape(block)
+    return whole
 
 
 def _chunk(store: Storage, where: dict[Any, Any], fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...],

@@ -1,0 +1,275 @@
+"""Megatron-Core's ``dp_reshardable`` distributed-optimizer state: from flat buckets to each parameter's own shape.
+
+In the ``dp_reshardable`` form (the default of Megatron-LM 0.16) the
+distributed optimizer saves its buffers as they sit on the ranks: bucket ``b``
+of buffer ``i`` of the data-parallel group ``g`` (one per tensor/pipeline
+parallel rank) and state ``s`` (``param``: the fp32 main parameter;
+``exp_avg``, ``exp_avg_sq``) is a 1-d tensor
+``optimizer.distributed.dp_group_idx_<g>.gbuf_idx_<i>.dtype_<dtypes>.bucket_idx_<b>.<s>``
+of the bucket's unpadded length, one DCP chunk per (parameter, data-parallel
+rank) piece and per padding gap. Which parameter sits where is not saved: the
+buffer order is the model's reverse ``named_parameters()`` order, which the
+checkpoint does not record, and parameters of one shape (every layer's) leave
+the same chunk bounds whatever their order.
+
+:func:`place_buckets` finds it from the checkpoint alone, and proves it: the
+saved model weights are Megatron's parameters, and the fp32 main parameter is
+what they were cast from (the optimizer copies it into them after each step),
+so a bucket's ``param`` state cast to a weight's dtype equals that weight's
+saved block, byte for byte. Walking each bucket from its start, the next
+parameter starts at the next multiple of 64 elements
+(:mod:`reshard.layouts.megatron_buckets`) and must end on a stored chunk bound;
+of the model's tensor-parallel blocks, exactly one may match there. None (model
+weights not saved, or out of step with the optimizer: FP8 parameters, a save
+that skipped the parameter sync) is an error naming the bucket and offset;
+several blocks with identical values are accepted only when their optimizer
+states are identical too (then any choice gives the same values), else
+refused. The placement is then checked against Megatron's rules and the
+stored chunks (:func:`~reshard.layouts.megatron_buckets.bucket_pieces`).
+
+Each state of each parameter becomes ``optimizer.state.<s>.<model key>`` in the
+model tensor's shape, under a :class:`~reshard.layouts.FlatLayout` whose range
+``k`` is the ``k``-th stored piece (a data-parallel rank's range of a
+tensor-parallel block). A block held by several data-parallel groups (a norm
+weight replicated over tensor parallelism) is taken from the lowest group.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from reshard.layouts import FlatLayout
+from reshard.layouts.errors import FormatError
+from reshard.layouts.megatron_buckets import BucketPiece, bucket_pieces, chunk_bounds, param_start
+
+from ..io.storage import Storage
+from .dcp import _dcp_item
+
+BUCKET_KEY = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)"
+                        r"\.([A-Za-z_][A-Za-z0-9_]*)")
+#: ShardedObjects of the form that :func:`place_buckets` reads (checked, not kept as leaves).
+BUCKET_OBJECTS = re.compile(r"optimizer\.distributed\.dp_group_idx_\d+\.per_bucket_numel(_unpadded)?(/shard_.*)?")
+MAIN_PARAM = "param"
+
+Block = tuple[str, tuple[int, ...], tuple[int, ...]]  # (model key, chunk offsets, chunk sizes)
+Placed = tuple[tuple[BucketPiece, ...], dict[str, str]]  # a parameter's pieces in a bucket; state -> bucket fqn
+
+
+@dataclass
+class BucketTensor:
+    """One imported state tensor: its layout, dtype, and per range the stored chunk it comes from."""
+
+    layout: FlatLayout
+    dtype: str
+    sources: list[tuple[str, int, int]] = field(default_factory=list)  # (bucket fqn, chunk offset, length)
+
+
+def is_bucket_key(fqn: str) -> bool:
+    return BUCKET_KEY.fullmatch(fqn) is not None
+
+
+def place_buckets(store: Storage, md: Any, where: dict[Any, Any]) -> dict[str, BucketTensor]:
+    """Every ``dp_reshardable`` bucket state of a ``torch_dist`` save, as per-parameter tensors (see the module)."""
+    buckets: dict[tuple[int, int, str, int], dict[str, Any]] = {}
+    for fqn, item in md.state_dict_metadata.items():
+        m = BUCKET_KEY.fullmatch(fqn)
+        if m and hasattr(item, "chunks"):
+            g, i, dt, b, state = m.groups()
+            buckets.setdefault((int(g), int(i), dt, int(b)), {})[state] = (fqn, item)
+    if not buckets:
+        return {}
+    index = _model_index(store, md, where)
+    unpadded = _unpadded_sizes(store, md, where)
+    found: dict[Block, Placed] = {}
+    ambiguous: list[tuple[frozenset[Block], Placed]] = []
+    states: list[str] | None = None
+    for key in sorted(buckets):
+        entry = buckets[key]
+        what = f"bucket {key[3]} of buffer {key[1]} of data-parallel group {key[0]}"
+        if MAIN_PARAM not in entry:
+            raise FormatError(f"{what}: no {MAIN_PARAM!r} state (the fp32 main parameters), which places the others")
+        if states is None:
+            states = sorted(entry)
+        elif sorted(entry) != states:
+            raise FormatError(f"{what}: states {sorted(entry)}, other buckets hold {states}")
+        fqn, item = entry[MAIN_PARAM]
+        size = _size(item, fqn)
+        chunks = [(int(c.offsets[0]), int(c.sizes[0])) for c in item.chunks]
+        for s in states:
+            other = entry[s][1]
+            if _size(other, entry[s][0]) != size or sorted((int(c.offsets[0]), int(c.sizes[0]))
+                                                           for c in other.chunks) != sorted(chunks):
+                raise FormatError(f"{what}: state {s!r} is stored in other chunks than {MAIN_PARAM!r}")
+        want = unpadded.get((key[0], key[1], key[3]))
+        if want is not None and want != size:
+            raise FormatError(f"{what}: stored with {size} elements, its per_bucket_numel_unpadded says {want}")
+        bounds = set(chunk_bounds(size, chunks, what))
+        main = np.empty(size, dtype=np.float32)
+        for off, n in chunks:
+            main[off:off + n] = _read(store, where, fqn, off, n).astype(np.float32, copy=False)
+        spans, picks = _walk(what, main, bounds, index)
+        pieces = bucket_pieces(size, chunks, spans, what)
+        fqns = {s: entry[s][0] for s in states}
+        for blocks, piece in zip(picks, pieces, strict=True):
+            if len(blocks) == 1:
+                found.setdefault(next(iter(blocks)), (piece, fqns))
+            else:
+                ambiguous.append((blocks, (piece, fqns)))
+    _settle(store, where, found, ambiguous)
+    return _tensors(md, found, states or [], store)
+
+
+def _walk(what: str, main: np.ndarray, bounds: set[int], index: dict[tuple[str, int], dict[bytes, set[Block]]]
+          ) -> tuple[list[tuple[int, int]], list[frozenset[Block]]]:
+    import torch
+
+    size = len(main)
+    at, spans, picks = 0, [], []
+    while at < size:
+        start = param_start(at)
+        if start >= size or start not in bounds:
+            raise FormatError(f"{what}: no parameter can start at element {start} (the bucket holds {size}; "
+                              "parameters start 64-aligned on a stored chunk bound)")
+        hits: dict[int, set[Block]] = {}
+        for (dtype, n), table in index.items():
+            if start + n in bounds:
+                cast = torch.from_numpy(main[start:start + n]).to(getattr(torch, dtype))
+                got = table.get(_digest(cast))
+                if got:
+                    hits.setdefault(n, set()).update(got)
+        if not hits:
+            raise FormatError(f"{what}: the fp32 main parameter at element {start} equals no saved model weight "
+                              "(cast to its dtype), so its place cannot be proven: the checkpoint must hold the "
+                              "model weights in step with the optimizer (not FP8 parameters; Megatron syncs "
+                              "parameters before it saves)")
+        if len(hits) > 1:
+            raise FormatError(f"{what}: the values at element {start} match saved weights of {sorted(hits)} elements: "
+                              "the parameter's length is ambiguous")
+        (n, blocks), = hits.items()
+        spans.append((start, start + n))
+        picks.append(frozenset(blocks))
+        at = start + n
+    return spans, picks
+
+
+def _settle(store: Storage, where: dict[Any, Any], found: dict[Block, Placed],
+            ambiguous: list[tuple[frozenset[Block], Placed]]) -> None:
+    """Blocks of identical values: accepted when every state of the spans they match is identical too."""
+    groups: dict[frozenset[Block], list[Placed]] = {}
+    for blocks, placed in ambiguous:
+        groups.setdefault(blocks, []).append(placed)
+    for blocks, spans in groups.items():
+        digests = set()
+        for piece, fqns in spans:
+            digests.add(tuple(hashlib.sha256(b"".join(_read(store, where, fqns[s], off, b - a).tobytes()
+                                                      for off, a, b in piece)).digest() for s in sorted(fqns)))
+        if len(digests) > 1:
+            names = sorted(f"{k} at {list(o)}" for k, o, _ in blocks)
+            raise FormatError(f"parameters {names} hold identical values but different optimizer states: which "
+                              "state belongs to which cannot be told from the checkpoint")
+        for block in sorted(blocks):
+            found.setdefault(block, spans[0])
+
+
+def _tensors(md: Any, found: dict[Block, Placed], states: list[str], store: Storage) -> dict[str, BucketTensor]:
+    by_key: dict[str, list[Block]] = {}
+    for block in found:
+        by_key.setdefault(block[0], []).append(block)
+    out: dict[str, BucketTensor] = {}
+    for name, blocks in sorted(by_key.items()):
+        item = md.state_dict_metadata[name]
+        every = {(tuple(int(x) for x in c.offsets), tuple(int(x) for x in c.sizes)) for c in item.chunks}
+        held = {(off, sizes) for _, off, sizes in blocks}
+        if held != every:
+            missing = sorted(every - held)[:3]
+            raise FormatError(f"{store.url}: the buckets hold optimizer state for only part of {name!r} (none for "
+                              f"its blocks at {[list(o) for o, _ in missing]})")
+        shape = tuple(int(n) for n in item.size)
+        for s in states:
+            ranges: list[tuple[int, tuple[int, ...], tuple[int, ...], int, int, int]] = []
+            sources = []
+            for block in sorted(blocks):
+                _, off, sizes = block
+                piece, fqns = found[block]
+                for chunk, a, b in piece:
+                    ranges.append((len(ranges), off, sizes, a, b, 0))
+                    sources.append((fqns[s], chunk, b - a))
+            lay = FlatLayout.from_ranges(shape, ranges, {"framework": "megatron", "form": "dp_reshardable"})
+            dtype = str(md.state_dict_metadata[sources[0][0]].properties.dtype).removeprefix("torch.")
+            out[f"optimizer.state.{s}.{name}"] = BucketTensor(lay, dtype, sources)
+    return out
+
+
+def _model_index(store: Storage, md: Any, where: dict[Any, Any]) -> dict[tuple[str, int], dict[bytes, set[Block]]]:
+    """Every saved model block (a DCP chunk of a tensor outside ``optimizer.``) by dtype, length and digest."""
+    index: dict[tuple[str, int], dict[bytes, set[Block]]] = {}
+    for fqn, item in md.state_dict_metadata.items():
+        if fqn.startswith("optimizer.") or not hasattr(item, "chunks"):
+            continue
+        dtype = str(item.properties.dtype).removeprefix("torch.")
+        for chunk in item.chunks:
+            offsets, sizes = tuple(int(x) for x in chunk.offsets), tuple(int(x) for x in chunk.sizes)
+            n = int(np.prod(sizes))
+            if n == 0:
+                continue
+            info = where.get((fqn, offsets))
+            if info is None:
+                raise FormatError(f"{store.url}: chunk {list(offsets)} of {fqn!r} has no storage entry in .metadata")
+            tensor = _dcp_item(store, info, f"chunk {list(offsets)} of {fqn!r}")
+            if tuple(tensor.shape) != sizes or str(tensor.dtype).removeprefix("torch.") != dtype:
+                raise FormatError(f"{store.url}: chunk {list(offsets)} of {fqn!r} is not the {dtype} {list(sizes)} "
+                                  "the metadata says")
+            index.setdefault((dtype, n), {}).setdefault(_digest(tensor), set()).add((fqn, offsets, sizes))
+    return index
+
+
+def _unpadded_sizes(store: Storage, md: Any, where: dict[Any, Any]) -> dict[tuple[int, int, int], int]:
+    """``per_bucket_numel_unpadded`` as saved: (group, buffer, bucket) -> elements (checked against the tensors)."""
+    out: dict[tuple[int, int, int], int] = {}
+    for idx, info in where.items():
+        m = re.fullmatch(r"optimizer\.distributed\.dp_group_idx_(\d+)\.per_bucket_numel_unpadded(/shard_.*)?", idx[0])
+        if not m:
+            continue
+        value = _dcp_item(store, info, f"item {idx[0]!r}")
+        while isinstance(value, list) and len(value) == 1 and isinstance(value[0], list):
+            value = value[0]  # ShardedObjects are saved wrapped
+        if not isinstance(value, list):
+            raise FormatError(f"{store.url}: {idx[0]!r} is not a list of buffers")
+        for i, buf in enumerate(value):
+            sizes = list(buf.values()) if isinstance(buf, dict) and len(buf) == 1 else None
+            if not sizes or not isinstance(sizes[0], list) or not all(type(n) is int for n in sizes[0]):
+                raise FormatError(f"{store.url}: {idx[0]!r} buffer {i} is not {{dtypes: [bucket sizes]}}")
+            for b, n in enumerate(sizes[0]):
+                out[(int(m.group(1)), i, b)] = n
+    return out
+
+
+def _size(item: Any, fqn: str) -> int:
+    size = tuple(int(n) for n in item.size)
+    if len(size) != 1:
+        raise FormatError(f"bucket tensor {fqn!r} has shape {list(size)}, not 1-d")
+    return size[0]
+
+
+def _read(store: Storage, where: dict[Any, Any], fqn: str, off: int, n: int) -> np.ndarray:
+    from ..format.torch_arrays import to_numpy
+
+    info = where.get((fqn, (off,)))
+    if info is None:
+        raise FormatError(f"{store.url}: chunk [{off}] of {fqn!r} has no storage entry in .metadata")
+    tensor = _dcp_item(store, info, f"chunk [{off}] of {fqn!r}")
+    if tuple(tensor.shape) != (n,):
+        raise FormatError(f"{store.url}: chunk [{off}] of {fqn!r} has shape {list(tensor.shape)}, the metadata "
+                          f"says [{n}]")
+    return np.asarray(to_numpy(tensor))
+
+
+def _digest(tensor: Any) -> bytes:
+    import torch
+
+    flat = tensor.detach().contiguous().reshape(-1)
+    return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes()).digest()
