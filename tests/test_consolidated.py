@@ -151,3 +151,50 @@ def test_a_marker_without_a_summary_seal_checks_everything_at_open(tmp_path: Pat
     _edit_unsigned(url, lambda doc: doc["consolidated_metadata"]["metadata"]["b"].update(data_type="int32"))
     with pytest.raises(FormatError, match="does not match the digest in its commit marker"):
         rs.open(url)
+
+
+def _save_repeated(tmp_path: Path) -> tuple[str, dict[str, np.ndarray]]:
+    """Twelve tensors of two shapes: the summary repeats the two array documents (``records``)."""
+    url = str(tmp_path / "rep")
+    state = {f"layer{i}.{k}": np.full(shape, i, dtype="float32") for i in range(6)
+             for k, shape in (("w", (4, 3)), ("b", (3,)))}
+    rs.save(state, url)
+    return url, state
+
+
+def test_repeated_documents_resolve_from_the_summary_records(tmp_path: Path) -> None:
+    """Tensors of one shape, dtype and layout share one summary record: resolving every tensor parses neither
+    the consolidated metadata nor more than one document per record, and gives what zarr reads."""
+    url, state = _save_repeated(tmp_path)
+    ckpt = rs.open(url)
+    doc = json.loads(Path(ckpt.zarr_url, "zarr.json").read_bytes())
+    summary = doc["attributes"]["reshard"]
+    assert len(summary["records"]) == 2 and all(len(e) == 3 for e in summary["arrays"].values())
+    root = next(iter(ckpt.arrays.values())).source.func.__self__  # the deferred records' RootMetadata
+    got = {name: ckpt.read(name) for name in ckpt}
+    assert "checked" not in root.__dict__  # the consolidated documents were never parsed
+    for name, value in state.items():
+        np.testing.assert_array_equal(got[name], value)
+        eager = rs.open(url, allow_uncommitted=True).arrays[name]  # built from the manifests
+        assert ckpt.arrays[name] == eager
+        sub = doc["consolidated_metadata"]["metadata"][name.replace(".", "/")]
+        assert ckpt.arrays[name].to_zarr_json() == sub
+
+
+def test_summary_records_that_disagree_with_zarr_are_refused(tmp_path: Path) -> None:
+    """What reshard reads (the summary's records) and what zarr reads (the consolidated documents) must agree:
+    verify names the tensor where they differ; malformed records are refused at open."""
+    url, _ = _save_repeated(tmp_path)
+    _rewrite_root(url, lambda doc: doc["attributes"]["reshard"]["records"][0]["attributes"]["reshard"]
+                  .__setitem__("origin", {"framework": "edited"}))
+    report = rs.verify(url)
+    assert report.kinds() == {"metadata"}, report.problems
+    assert "the record reshard reads (the summary's) and its consolidated document" in report.problems[0]
+    url2, _ = _save_repeated(tmp_path / "two")
+    _rewrite_root(url2, lambda doc: doc["attributes"]["reshard"]["arrays"]["layer1.w"].__setitem__(2, 7))
+    with pytest.raises(FormatError, match=r"malformed summary of tensor 'layer1\.w'"):
+        rs.open(url2)
+    url3, _ = _save_repeated(tmp_path / "three")
+    _rewrite_root(url3, lambda doc: doc["attributes"]["reshard"].__setitem__("records", {"a": 1}))
+    with pytest.raises(FormatError, match="malformed summary records"):
+        rs.open(url3)

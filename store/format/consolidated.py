@@ -17,6 +17,7 @@ by parsing it whole.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -26,7 +27,7 @@ from typing import Any
 from reshard.layouts.errors import FormatError
 
 from .dtypes import SUPPORTED
-from .meta import FORMAT_VERSION, META_DIR, ArrayMeta, group_json, stored_name, tensor_path
+from .meta import FORMAT_VERSION, META_DIR, ArrayMeta, dimension_names, group_json, stored_name, tensor_path
 from .schema import check_root, dtype_of, int_list, loads_json
 
 #: The root document of a directory-form save: the generation's ``zarr.json``, a real zarr hierarchy's root.
@@ -55,14 +56,47 @@ def root_document(metas: dict[str, ArrayMeta], docs: dict[str, str], leaves: dic
     leaves : dict
         The non-tensor leaves (JSON).
     """
-    summary = {name: [list(m.shape), m.dtype] for name, m in sorted(metas.items())}
-    head = json.dumps(group_json({"reshard": {"format_version": FORMAT_VERSION, "leaves": leaves, "arrays": summary}}))
+    summary: dict[str, list[Any]] = {name: [list(m.shape), m.dtype] for name, m in sorted(metas.items())}
+    records = _records(metas, docs, summary)
+    rs = {"format_version": FORMAT_VERSION, "leaves": leaves, "arrays": summary, **({"records": records} if records
+                                                                                    else {})}
+    head = json.dumps(group_json({"reshard": rs}))
     inline = ", ".join(f"{json.dumps(path)}: {text}" for path, text in sorted(docs.items()))
     # the text json.dumps gives the group with "consolidated_metadata" added last, built without re-encoding docs
     raw = (f'{head[:-1]}, "consolidated_metadata": {{"kind": "inline", "must_understand": false, '
            f'"metadata": {{{inline}}}}}}}').encode()
     assert raw.decode()[: len(_PREFIX)] == _PREFIX  # what parse_root relies on
     return raw
+
+
+#: How an array document written by :meth:`ArrayMeta.to_zarr_json` ends: its dimension names, the only part that
+#: names the tensor.
+_NAMES = ', "dimension_names": '
+#: The most distinct array documents the summary repeats (each ~1 KB, parsed at open); more: none repeated.
+MAX_RECORDS = 256
+
+
+def _records(metas: dict[str, ArrayMeta], docs: dict[str, str], summary: dict[str, list[Any]]) -> list[Any]:
+    """The distinct array documents without their dimension names, for the summary (``records``), each
+    tensor's index into them appended to its summary entry: a reader then resolves 10,000 tensors of a few
+    shapes and layouts from those few documents, without parsing the ~1 KB of consolidated JSON each tensor
+    has (issue 26: most of a rank's restore). None where there would be more than :data:`MAX_RECORDS`, or
+    fewer than twice as many tensors (nothing repeats enough to pay for the copies)."""
+    index: dict[str, int] = {}
+    of: dict[str, int] = {}
+    for name, m in metas.items():
+        text = docs[m.path]
+        cut = text.rfind(_NAMES)
+        if cut < 0:
+            return []
+        of[name] = index.setdefault(text[:cut], len(index))
+        if len(index) > MAX_RECORDS:
+            return []
+    if 2 * len(index) > len(metas):
+        return []
+    for name, entry in summary.items():
+        entry.append(of[name])
+    return [json.loads(key + "}") for key in index]
 
 
 def summary_seal(raw: bytes) -> dict[str, Any]:
@@ -109,8 +143,15 @@ class RootMetadata:
         if isinstance(rs, dict) and isinstance(rs.get("arrays"), dict) and isinstance(rs.get("leaves"), dict):
             #: The non-tensor leaves.
             self.leaves: dict[str, Any] = rs["leaves"]
-            #: ``{name: [shape, dtype]}``, or None for a save written before the summary existed.
+            #: ``{name: [shape, dtype]}`` (``[shape, dtype, record]`` where the summary has ``records``), or None
+            #: for a save written before the summary existed.
             self.summary: dict[str, Any] | None = rs["arrays"]
+            records = rs.get("records", [])
+            if type(records) is not list or not all(isinstance(r, dict) for r in records):
+                raise FormatError(f"{where}: malformed summary records (a list of array documents expected)")
+            #: The distinct array documents without dimension names (:func:`_records`); each parsed once.
+            self.records: list[dict[str, Any]] = records
+            self._parsed: dict[int, ArrayMeta] = {}
         else:  # no summary: the whole document, checked now
             self.leaves, _ = self.checked
             self.summary = None
@@ -155,17 +196,30 @@ class RootMetadata:
             return dict(sorted(found.items()))
         out = {}
         for name, entry in self.summary.items():
-            if type(entry) is not list or len(entry) != 2:
+            if type(entry) is not list or len(entry) not in (2, 3) or (len(entry) == 3 and not (
+                    type(entry[2]) is int and 0 <= entry[2] < len(self.records))):
                 raise FormatError(f"{self.where}: malformed summary of tensor {name!r}: {entry!r:.80}")
-            shape, dtype = entry
+            shape, dtype = entry[:2]
             if type(shape) is not list or not all(type(n) is int and n >= 0 for n in shape) or dtype not in SUPPORTED:
                 at = f"{self.where}: summary of tensor {name!r}"  # the checks again, to name what is wrong
                 int_list(shape, at, "shape"), dtype_of(dtype, at, "dtype")
             out[name] = ArrayMeta.deferred(name, tuple(shape), dtype, functools.partial(self.array, name))
         return out
 
+    def _record(self, name: str, entry: list[Any]) -> dict[str, Any]:
+        """A tensor's array document from the summary's records: its record, its dimension names."""
+        return {**self.records[entry[2]], "dimension_names": dimension_names(name, len(entry[0]))}
+
     def array(self, name: str) -> ArrayMeta:
-        """The full record of one array, from its consolidated document."""
+        """The full record of one array: from the summary's records where it has them (each distinct one
+        checked once), else from its consolidated document."""
+        entry = (self.summary or {}).get(name)
+        if type(entry) is list and len(entry) == 3:
+            parsed = self._parsed.get(entry[2])
+            if parsed is None:
+                parsed = self._parsed[entry[2]] = ArrayMeta.from_zarr_json(name, self._record(name, entry),
+                                                                           self.where)
+            return dataclasses.replace(parsed, name=name) if parsed.name != name else parsed
         doc = self.documents().get(tensor_path(name))
         if not isinstance(doc, dict) or doc.get("node_type") != "array":
             raise FormatError(f"{self.where}: tensor {name!r} is in the summary but has no array metadata")

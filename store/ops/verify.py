@@ -197,6 +197,10 @@ def _committed(root: Storage, marker: Marker, storage_options: dict[str, Any] | 
     if report.damage:
         return None
     docs = check_root(loads_json(where, read_doc("zarr.json")), where)[1]
+    differ = _read_differs(arrays, docs)
+    if differ is not None:
+        report.add("metadata", where, f"tensor {differ!r}: the record reshard reads (the summary's) and its "
+                                      "consolidated document (what zarr reads) differ")
     _check_node_files(gen, read_doc, docs, report)
     _check_manifests(gen, marker, arrays, leaves, report, refs)
     try:
@@ -227,6 +231,11 @@ def _committed_streaming(root: Storage, gen: Storage, marker: Marker, storage_op
         return None
     if any(getattr(arrays[n], f) != getattr(m, f) for n, m in merged.metas.items()
            for f in ("shape", "dtype", "shard", "chunk", "layout", "checksums", "compressor")):
+        return None
+    try:
+        if _read_differs(arrays, check_root(loads_json(where, raw), where)[1]) is not None:
+            return None
+    except ReshardError:
         return None
     docs, _ = metadata_documents(merged.metas, merged.leaves)
     metas = list(merged.metas.values())
@@ -267,6 +276,15 @@ def _check_parquet(gen: Storage, marker: Marker, ckpt: Checkpoint, report: Verif
         report.add("references", where, "the parquet references do not match the digest the commit marker names: "
                                         "a file was edited, truncated or replaced (refs.json and reshard's reads "
                                         "are not affected; plain zarr readers of refs.parq are)")
+
+
+def _read_differs(arrays: dict[str, ArrayMeta], docs: dict[str, Any]) -> str | None:
+    """The first tensor whose record (what reshard reads: the summary's records where the root document has
+    them) is not its consolidated document (what zarr reads); None if every one matches."""
+    for name, meta in arrays.items():
+        if meta.to_zarr_json() != docs.get(meta.path):
+            return name
+    return None
 
 
 def documents(gen: Storage, marker: Marker, report: VerifyReport
