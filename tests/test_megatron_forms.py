@@ -214,6 +214,29 @@ def test_damaged_bucket_metadata_is_refused(tmp_path):
         import_megatron(str(_doctor(tmp_path / "c", other_chunks)), str(tmp_path / "x"))
 
 
+def test_a_bucket_claiming_more_than_is_stored_is_refused_before_allocating(tmp_path):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    def huge(md):
+        for key in [k for state in STATES for k in _buckets(md, state)]:
+            item = md.state_dict_metadata[key]
+            last = item.chunks[-1]
+            grown = int(last.sizes[0]) + 10**12
+            item.chunks[-1] = ChunkStorageMetadata(offsets=last.offsets, sizes=type(last.sizes)([grown]))
+            item.size = type(item.size)([int(last.offsets[0]) + grown])
+
+    with pytest.raises(FormatError, match="1000000000304 elements, its per_bucket_numel_unpadded says 304"):
+        import_megatron(str(_doctor(tmp_path / "a", huge)), str(tmp_path / "x"))
+
+    def huge_alone(md):  # and without the per_bucket_numel objects that gave it away
+        huge(md)
+        for index in [i for i in md.storage_data if "per_bucket_numel" in i.fqn]:
+            del md.storage_data[index]
+
+    with pytest.raises(FormatError, match="claims 1000000000"):
+        import_megatron(str(_doctor(tmp_path / "b", huge_alone)), str(tmp_path / "x"))
+
+
 def test_truncated_bucket_file_is_a_clear_error(tmp_path):
     folder = tmp_path / "cut"
     shutil.copytree(DATA / "dp_reshardable", folder)
