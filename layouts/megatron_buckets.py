@@ -25,6 +25,7 @@ Pure math, no I/O.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 from .errors import FormatError
@@ -106,8 +107,6 @@ def bucket_pieces(size: int, chunks: Sequence[tuple[int, int]], spans: Sequence[
 
 
 def _index(bounds: tuple[int, ...], at: int, what: str) -> int:
-    import bisect
-
     i = bisect.bisect_left(bounds, at)
     if i == len(bounds) or bounds[i] != at:
         raise FormatError(f"{what}: no stored chunk starts or ends at element {at}, where a parameter does")

@@ -9,6 +9,7 @@ one test writes fresh saves with it (skipped otherwise).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import pickle
@@ -213,6 +214,29 @@ def test_damaged_bucket_metadata_is_refused(tmp_path):
         import_megatron(str(_doctor(tmp_path / "c", other_chunks)), str(tmp_path / "x"))
 
 
+def test_a_bucket_claiming_more_than_is_stored_is_refused_before_allocating(tmp_path):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    def huge(md):
+        for key in [k for state in STATES for k in _buckets(md, state)]:
+            item = md.state_dict_metadata[key]
+            last = item.chunks[-1]
+            grown = int(last.sizes[0]) + 10**12
+            item.chunks[-1] = ChunkStorageMetadata(offsets=last.offsets, sizes=type(last.sizes)([grown]))
+            item.size = type(item.size)([int(last.offsets[0]) + grown])
+
+    with pytest.raises(FormatError, match="1000000000304 elements, its per_bucket_numel_unpadded says 304"):
+        import_megatron(str(_doctor(tmp_path / "a", huge)), str(tmp_path / "x"))
+
+    def huge_alone(md):  # and without the per_bucket_numel objects that gave it away
+        huge(md)
+        for index in [i for i in md.storage_data if "per_bucket_numel" in i.fqn]:
+            del md.storage_data[index]
+
+    with pytest.raises(FormatError, match="claims 1000000000"):
+        import_megatron(str(_doctor(tmp_path / "b", huge_alone)), str(tmp_path / "x"))
+
+
 def test_truncated_bucket_file_is_a_clear_error(tmp_path):
     folder = tmp_path / "cut"
     shutil.copytree(DATA / "dp_reshardable", folder)
@@ -220,6 +244,63 @@ def test_truncated_bucket_file_is_a_clear_error(tmp_path):
     biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
     with pytest.raises((FormatError, StorageError), match=r"short read|cannot decode"):
         import_megatron(str(folder), str(tmp_path / "x"))
+
+
+# ------------------------------------------------------------------ export back to Megatron (fully_reshardable)
+
+
+@pytest.mark.parametrize("form", ["dp_reshardable", "fully_reshardable"])
+def test_export_reads_back_as_the_same_values(tmp_path, form):
+    """Exported, the save imports again (through the same reader as Megatron's own saves) with every value."""
+    import torch
+    from reshard.store.frontends.megatron_export import export_megatron
+
+    import_megatron(str(DATA / form), str(tmp_path / "rs"))
+    done = export_megatron(str(tmp_path / "rs"), str(tmp_path / "mc"))
+    want = reference(form)
+    assert done["tensors"] == len(want) and done["states"] == len([n for n in want if n.startswith("optimizer.")])
+    assert json.loads((tmp_path / "mc" / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+    common = torch.load(tmp_path / "mc" / "common.pt", weights_only=True)
+    assert common["optimizer"]["param_state_sharding_type"] == "fully_reshardable"
+    groups = common["optimizer"]["optimizer"]["param_groups"]
+    assert [g["wd_mult"] for g in groups] == [1.0, 0.0] and all(g["step"] == 2.0 for g in groups)
+    import_megatron(str(tmp_path / "mc"), str(tmp_path / "back"))
+    back = rs.open(str(tmp_path / "back"))
+    assert set(back) == set(want)
+    _same(back, want)
+    assert back.leaves["common.optimizer"]["param_state_sharding_type"] == "fully_reshardable"
+
+
+def test_export_after_a_redivision(tmp_path):
+    from reshard.store.frontends.megatron_export import export_megatron
+
+    import_megatron(str(DATA / "dp_reshardable"), str(tmp_path / "rs"))
+    ckpt = rs.open(str(tmp_path / "rs"))
+    rs.redivide(ckpt, str(tmp_path / "dp3"), dp_targets(ckpt, 3))
+    export_megatron(str(tmp_path / "dp3"), str(tmp_path / "mc"))
+    import_megatron(str(tmp_path / "mc"), str(tmp_path / "back"))
+    _same(rs.open(str(tmp_path / "back")), reference("dp_reshardable"))
+
+
+def test_export_refusals(tmp_path):
+    from reshard.store.frontends.megatron_export import export_megatron
+
+    import_megatron(str(DATA / "dp_reshardable"), str(tmp_path / "rs"))
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    with pytest.raises(FormatError, match="not empty"):
+        export_megatron(str(tmp_path / "rs"), str(tmp_path / "full"))
+    rs.save({"w": np.ones((2, 3), np.float32)}, str(tmp_path / "plain"))
+    with pytest.raises(FormatError, match="no optimizer param groups"):
+        export_megatron(str(tmp_path / "plain"), str(tmp_path / "x"))
+
+
+def test_cli_exports_megatron(tmp_path):
+    from reshard.store.cli import main
+
+    assert main(["import", "megatron", str(DATA / "dp_reshardable"), str(tmp_path / "rs")]) == 0
+    assert main(["export", "megatron", str(tmp_path / "rs"), str(tmp_path / "mc")]) == 0
+    assert (tmp_path / "mc" / ".metadata").is_file() and (tmp_path / "mc" / "common.pt").is_file()
 
 
 # ------------------------------------------------------------------ the real framework
@@ -246,3 +327,24 @@ def test_real_megatron_saves_import(tmp_path):
     for form in ("dp_reshardable", "fully_reshardable"):
         import_megatron(str(out / form), str(tmp_path / form))
         _same(rs.open(str(tmp_path / form)), reference(form, out))
+
+
+@pytest.mark.skipif(not _has_megatron(), reason="megatron-core >= 0.13 is not importable "
+                                                "(set RESHARD_MEGATRON_PYTHON)")
+@pytest.mark.parametrize("tp, dp", [(1, 2), (2, 1)])
+def test_real_megatron_loads_the_export_at_another_parallelism(tmp_path, tp, dp):
+    """dp_reshardable (TP=2 x DP=2) -> import -> export (fully_reshardable) -> Megatron-Core loads it on TP x DP
+    ranks: its optimizer then holds, per parameter, exactly what the saving job held."""
+    from reshard.store.frontends.megatron_export import export_megatron
+
+    import_megatron(str(DATA / "dp_reshardable"), str(tmp_path / "rs"))
+    export_megatron(str(tmp_path / "rs"), str(tmp_path / "mc"))
+    done = subprocess.run([MC_PYTHON, str(DATA / "load_export.py"), str(tmp_path / "mc"), str(tmp_path / "held.npz"),
+                           str(tp), str(dp)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    with np.load(tmp_path / "held.npz", allow_pickle=False) as held, \
+            np.load(DATA / "reference_dp_reshardable.npz", allow_pickle=False) as ref:
+        assert sorted(held.files) == sorted(ref.files)
+        for name in ref.files:
+            np.testing.assert_array_equal(held[name], ref[name], err_msg=name)

@@ -164,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "plus kerchunk references")
     p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
     p = add("export", cmd_export, "stream every tensor into one file (safetensors, npz, torch), "
-            "or into MindSpore per-rank files or a DeepSpeed ZeRO save", json_out=False)
+            "or into MindSpore per-rank files, a DeepSpeed ZeRO save or a Megatron-Core torch_dist save",
+            json_out=False)
     p.usage = ("%(prog)s [-h] [-S KEY=VALUE] [--format F] [--strategy FILE] [--max-shard-size SIZE] [--dp N] "
                "[--prefix P] [--overwrite] [FORMAT] SRC FILE")
     p.add_argument("paths", nargs="+", metavar="[FORMAT] SRC FILE",

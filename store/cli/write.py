@@ -122,7 +122,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------ export, demo
-EXPORT_FORMATS = ("safetensors", "npz", "torch", "mindspore", "deepspeed")
+EXPORT_FORMATS = ("safetensors", "npz", "torch", "mindspore", "deepspeed", "megatron")
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -158,6 +158,13 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"exported a ZeRO-{done['stage']} save for {done['dp']} data-parallel x {done['tp']} model-parallel "
               f"ranks to {done['folder']} "
               f"({done['files']} files) in {time.perf_counter() - t0:.2f} s")
+        return 0
+    if fmt == "megatron":
+        from ..frontends.megatron_export import export_megatron
+
+        done = export_megatron(args.src, args.file, storage_options=storage_options(args.storage_option))
+        print(f"exported a Megatron-Core torch_dist save (fully_reshardable, {done['tensors']} tensors, "
+              f"{done['states']} optimizer states) to {done['folder']} in {time.perf_counter() - t0:.2f} s")
         return 0
     if fmt == "mindspore":
         from ..frontends.mindspore import export_mindspore

@@ -18,6 +18,10 @@ shape under a :class:`~reshard.layouts.FlatLayout`: chunk ``i`` (offsets
 rank of another data-parallel or tensor-parallel size then reads only what it
 needs, and reading a tensor whole integrates it.
 
+The ``dp_reshardable`` form (flat buckets, :mod:`.megatron_buckets`) becomes
+each parameter's state in its own shape too; the ``fully_reshardable`` form is
+regular tensors. :mod:`.megatron_export` writes an import back.
+
 ``.metadata`` is read with the DCP import's restricted unpickler, Megatron's
 own classes (its save plan) becoming inert stand-ins; items and ``common.pt``
 with ``torch.load(weights_only=True)``. torch is imported inside the functions.

@@ -108,6 +108,11 @@ def place_buckets(store: Storage, md: Any, where: dict[Any, Any]) -> dict[str, B
         if want is not None and want != size:
             raise FormatError(f"{what}: stored with {size} elements, its per_bucket_numel_unpadded says {want}")
         bounds = set(chunk_bounds(size, chunks, what))
+        for off, n in chunks:  # sizes checked against the bytes stored before allocating the bucket
+            info = where.get((fqn, (off,)))
+            if info is not None and int(getattr(info, "length", 0)) < n * item.properties.dtype.itemsize:
+                raise FormatError(f"{what}: chunk [{off}] claims {n} elements but its stored item holds "
+                                  f"{info.length} bytes")
         main = np.empty(size, dtype=np.float32)
         for off, n in chunks:
             main[off:off + n] = _read(store, where, fqn, off, n).astype(np.float32, copy=False)

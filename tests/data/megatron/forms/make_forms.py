@@ -58,11 +58,8 @@ def cpu_shims():
         setattr(torch, name, on_cpu(getattr(torch, name)))
 
 
-def run(rank, port, out, form, bucket_size):
-    cpu_shims()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=TP * DP, timeout=datetime.timedelta(seconds=120))
-    from megatron.core import dist_checkpointing
+def build(tp, world, bucket_size):
+    """The tiny bf16 GPT under DDP with the distributed optimizer, on a gloo job of ``world`` ranks."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -71,10 +68,10 @@ def run(rank, port, out, form, bucket_size):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.module import Float16Module
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=TP)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     torch.manual_seed(1234)
     cfg = TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, ffn_hidden_size=12,
-                            add_bias_linear=False, use_cpu_initialization=True, tensor_model_parallel_size=TP,
+                            add_bias_linear=False, use_cpu_initialization=True, tensor_model_parallel_size=tp,
                             bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
     model = GPTModel(cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=16,
                      max_sequence_length=8, share_embeddings_and_output_weights=False)
@@ -84,23 +81,14 @@ def run(rank, port, out, form, bucket_size):
         grad_reduce_in_fp32=True), model)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=0.01, bf16=True, use_distributed_optimizer=True,
                                                  clip_grad=0.0), [ddp])
-    for step in range(2):  # seeded by parameter and step: DP replicas (and TP replicas of a norm) agree
-        for i, p in enumerate(model.parameters()):
-            gen = torch.Generator().manual_seed(1000 * step + i)
-            p.main_grad.copy_(torch.randn(p.shape, generator=gen))
-        opt.step()
-    msd = model.sharded_state_dict()
-    msd = model.sharded_state_dict()
-    osd = opt.sharded_state_dict(msd, metadata={"distrib_optim_sharding_type": form})
-    if rank == 0:
-        os.makedirs(os.path.join(out, form))
-    dist.barrier()
-    dist_checkpointing.save({"model": msd, "optimizer": osd}, os.path.join(out, form))
-    dist.barrier()
-    # What Megatron holds: each parameter's main param / Adam moments for this rank's range of it.
+    return model, opt
+
+
+def held(model, opt, world, path):
+    """Gather on rank 0 what Megatron holds per parameter and write it to ``path`` (np.savez)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    msd = model.sharded_state_dict()  # afresh: the save consumed the last one
+    msd = model.sharded_state_dict()
     meta = {sh.data: sh for sh in msd.values() if isinstance(sh, ShardedTensor)}
     dopt = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
     pieces = []
@@ -116,9 +104,9 @@ def run(rank, port, out, form, bucket_size):
     for sh in meta.values():
         pieces.append((sh.key, tuple(sh.global_shape), tuple(sh.global_offset), tuple(sh.local_shape), 0,
                        sh.data.numel(), {"model": sh.data.detach().float().reshape(-1).numpy().copy()}))
-    everything = [None] * (TP * DP) if rank == 0 else None
+    everything = [None] * world if dist.get_rank() == 0 else None
     dist.gather_object(pieces, everything, dst=0)
-    if rank == 0:
+    if dist.get_rank() == 0:
         ref = {}
         for key, gshape, goff, lshape, start, stop, states in (p for ps_ in everything for p in ps_):
             for state, vals in states.items():
@@ -128,9 +116,37 @@ def run(rank, port, out, form, bucket_size):
                 block[np.unravel_index(np.arange(start, stop), lshape)] = vals
         for name, arr in ref.items():
             assert not np.isnan(arr).any(), name
-        np.savez(os.path.join(out, f"reference_{form}.npz"), **ref)
+        np.savez(path, **ref)
+
+
+def run(rank, port, out, form, bucket_size):
+    cpu_shims()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=TP * DP, timeout=datetime.timedelta(seconds=120))
+    from megatron.core import dist_checkpointing
+
+    model, opt = build(TP, TP * DP, bucket_size)
+    for step in range(2):  # seeded by parameter and step: DP replicas (and TP replicas of a norm) agree
+        for i, p in enumerate(model.parameters()):
+            gen = torch.Generator().manual_seed(1000 * step + i)
+            p.main_grad.copy_(torch.randn(p.shape, generator=gen))
+        opt.step()
+    msd = model.sharded_state_dict()
+    osd = opt.sharded_state_dict(msd, metadata={"distrib_optim_sharding_type": form})
+    if rank == 0:
+        os.makedirs(os.path.join(out, form))
+    dist.barrier()
+    dist_checkpointing.save({"model": msd, "optimizer": osd}, os.path.join(out, form))
+    dist.barrier()
+    held(model, opt, TP * DP, os.path.join(out, f"reference_{form}.npz"))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 if __name__ == "__main__":
@@ -138,8 +154,5 @@ if __name__ == "__main__":
     for form in FORMS:
         shutil.rmtree(os.path.join(out, form), ignore_errors=True)
     os.makedirs(out, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     for form, bucket_size in FORMS.items():
-        mp.spawn(run, args=(port, out, form, bucket_size), nprocs=TP * DP)
+        mp.spawn(run, args=(free_port(), out, form, bucket_size), nprocs=TP * DP)
