@@ -155,7 +155,8 @@ def run(rank: int, world: int, port: int, mode: str, src: str, out: str, stage: 
         path, _ = engine.load_checkpoint(src)
         assert path is not None, f"DeepSpeed found no checkpoint in {src}"
     engine.save_checkpoint(out, tag="step", client_state={"universal_checkpoint_info": UC_INFO} if tp else {})
-    dist.barrier()
+    dist.barrier()  # every rank saved; then leave together (a rank tearing gloo down under another aborts it)
+    dist.destroy_process_group()
 
 
 def main() -> None:
