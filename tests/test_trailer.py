@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import reshard.store as rs
 from reshard.layouts import Layout
-from reshard.store.format import manifests
 from reshard.store.format import refs as references
+from reshard.store.format import trailers
 from reshard.store.format.manifests import read_manifest
 from reshard.store.format.schema import with_digest
 from reshard.store.format.table import Table, trailer_parts
@@ -110,7 +110,7 @@ def test_corrupted_shared_records_are_refused_naming_the_carrier(tmp_path):
     raw = obj.read_bytes()
     at = len(p["body"]) + p["records"].index(b'"float32"') + 2
     obj.write_bytes(raw[:at] + b"i" + raw[at + 1 :])  # float32 -> fioat32: same length, another sha256
-    manifests._RECORDS.clear()  # records of that sha256 read by an earlier test in this process are not read again
+    trailers._RECORDS.clear()  # records of that sha256 read by an earlier test in this process are not read again
     with pytest.raises(rs.FormatError, match=r"packed/0\.bin: the tensor records it carries do not match"):
         rs.commit(url, ranks=list(range(RANKS)))
 

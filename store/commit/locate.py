@@ -27,10 +27,11 @@ from typing import Any, Protocol
 from reshard.layouts.errors import FormatError
 
 from ..format import refs as references
-from ..format.manifests import TAIL_GUESS, read_manifest
+from ..format.manifests import read_manifest
 from ..format.meta import ArrayMeta
 from ..format.refs import REFS_KEY, Location
 from ..format.schema import MAX_REFERENCES_BYTES
+from ..format.trailers import TAIL_GUESS
 from ..io import pool
 from ..io.packed import Spans
 from ..io.stats import IOStats

@@ -29,10 +29,11 @@ from typing import Any
 import numpy as np
 from reshard.layouts.errors import FormatError
 
-from ..format.manifests import group_records, merge_manifests, present_ranks, read_head, read_table
+from ..format.manifests import merge_manifests, present_ranks
 from ..format.meta import ArrayMeta
 from ..format.refs import TRAILER_MAGIC, TRAILER_MAGIC_V1, rank_object
 from ..format.table import TRAILER_MAGIC_V3, Table
+from ..format.trailers import group_records, read_head, read_table
 from ..io import pool
 from ..io.storage import Storage
 

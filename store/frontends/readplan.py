@@ -34,9 +34,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..format.manifests import TAIL_GUESS
 from ..format.meta import ArrayMeta
 from ..format.shard import SMALL_SHARD_BYTES
+from ..format.trailers import TAIL_GUESS
 
 #: A box of a tensor: ``(start, stop)`` per dimension (a 0-d tensor's box is ``()``).
 Box = tuple[tuple[int, int], ...]
