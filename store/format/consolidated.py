@@ -56,10 +56,9 @@ def root_document(metas: dict[str, ArrayMeta], docs: dict[str, str], leaves: dic
     leaves : dict
         The non-tensor leaves (JSON).
     """
-    summary: dict[str, list[Any]] = {name: [list(m.shape), m.dtype] for name, m in sorted(metas.items())}
-    records = _records(metas, docs, summary)
-    rs = {"format_version": FORMAT_VERSION, "leaves": leaves, "arrays": summary, **({"records": records} if records
-                                                                                    else {})}
+    summary = {name: [list(m.shape), m.dtype] for name, m in sorted(metas.items())}
+    rs: dict[str, Any] = {"format_version": FORMAT_VERSION, "leaves": leaves, "arrays": summary}
+    rs.update(_records(metas, docs, list(summary)))
     head = json.dumps(group_json({"reshard": rs}))
     inline = ", ".join(f"{json.dumps(path)}: {text}" for path, text in sorted(docs.items()))
     # the text json.dumps gives the group with "consolidated_metadata" added last, built without re-encoding docs
@@ -76,27 +75,26 @@ _NAMES = ', "dimension_names": '
 MAX_RECORDS = 256
 
 
-def _records(metas: dict[str, ArrayMeta], docs: dict[str, str], summary: dict[str, list[Any]]) -> list[Any]:
-    """The distinct array documents without their dimension names, for the summary (``records``), each
-    tensor's index into them appended to its summary entry: a reader then resolves 10,000 tensors of a few
-    shapes and layouts from those few documents, without parsing the ~1 KB of consolidated JSON each tensor
-    has (issue 26: most of a rank's restore). None where there would be more than :data:`MAX_RECORDS`, or
-    fewer than twice as many tensors (nothing repeats enough to pay for the copies)."""
+def _records(metas: dict[str, ArrayMeta], docs: dict[str, str], names: list[str]) -> dict[str, Any]:
+    """``records`` (the distinct array documents without their dimension names) and ``record_of`` (each
+    tensor's index into them, in the summary's order), for the summary: a reader then resolves 10,000 tensors
+    of a few shapes and layouts from those few documents, without parsing the ~1 KB of consolidated JSON each
+    tensor has (issue 26: most of a rank's restore). Two keys of their own, which earlier readers ignore.
+    None where there would be more than :data:`MAX_RECORDS`, or fewer than twice as many tensors (nothing
+    repeats enough to pay for the copies)."""
     index: dict[str, int] = {}
-    of: dict[str, int] = {}
-    for name, m in metas.items():
-        text = docs[m.path]
+    of: list[int] = []
+    for name in names:
+        text = docs[metas[name].path]
         cut = text.rfind(_NAMES)
         if cut < 0:
-            return []
-        of[name] = index.setdefault(text[:cut], len(index))
+            return {}
+        of.append(index.setdefault(text[:cut], len(index)))
         if len(index) > MAX_RECORDS:
-            return []
-    if 2 * len(index) > len(metas):
-        return []
-    for name, entry in summary.items():
-        entry.append(of[name])
-    return [json.loads(key + "}") for key in index]
+            return {}
+    if 2 * len(index) > len(names):
+        return {}
+    return {"records": [json.loads(key + "}") for key in index], "record_of": of}
 
 
 def summary_seal(raw: bytes) -> dict[str, Any]:
@@ -131,6 +129,11 @@ class RootMetadata:
     def __init__(self, where: str, raw: bytes, whole: Callable[[], bytes] | None = None) -> None:
         self.where = where
         self._whole = whole
+        #: The distinct array documents without dimension names (:func:`_records`), each parsed once, and each
+        #: tensor's index into them (both empty: the save has none).
+        self.records: list[dict[str, Any]] = []
+        self.record_of: dict[str, int] = {}
+        self._parsed: dict[int, ArrayMeta] = {}
         if whole is None:
             self.raw = raw
         attrs: Any = None
@@ -143,15 +146,16 @@ class RootMetadata:
         if isinstance(rs, dict) and isinstance(rs.get("arrays"), dict) and isinstance(rs.get("leaves"), dict):
             #: The non-tensor leaves.
             self.leaves: dict[str, Any] = rs["leaves"]
-            #: ``{name: [shape, dtype]}`` (``[shape, dtype, record]`` where the summary has ``records``), or None
-            #: for a save written before the summary existed.
+            #: ``{name: [shape, dtype]}``, or None for a save written before the summary existed.
             self.summary: dict[str, Any] | None = rs["arrays"]
-            records = rs.get("records", [])
-            if type(records) is not list or not all(isinstance(r, dict) for r in records):
-                raise FormatError(f"{where}: malformed summary records (a list of array documents expected)")
-            #: The distinct array documents without dimension names (:func:`_records`); each parsed once.
-            self.records: list[dict[str, Any]] = records
-            self._parsed: dict[int, ArrayMeta] = {}
+            records, of = rs.get("records", []), rs.get("record_of", [])
+            if (type(records) is not list or not all(isinstance(r, dict) for r in records) or type(of) is not list
+                    or len(of) not in (0, len(rs["arrays"])) or (of and not records)
+                    or not all(type(i) is int and 0 <= i < len(records) for i in of)):
+                raise FormatError(f"{where}: malformed summary records (a list of array documents and an index "
+                                  "into it for every tensor expected)")
+            self.records = records
+            self.record_of = dict(zip(rs["arrays"], of, strict=False))
         else:  # no summary: the whole document, checked now
             self.leaves, _ = self.checked
             self.summary = None
@@ -196,29 +200,29 @@ class RootMetadata:
             return dict(sorted(found.items()))
         out = {}
         for name, entry in self.summary.items():
-            if type(entry) is not list or len(entry) not in (2, 3) or (len(entry) == 3 and not (
-                    type(entry[2]) is int and 0 <= entry[2] < len(self.records))):
+            if type(entry) is not list or len(entry) != 2:
                 raise FormatError(f"{self.where}: malformed summary of tensor {name!r}: {entry!r:.80}")
-            shape, dtype = entry[:2]
+            shape, dtype = entry
             if type(shape) is not list or not all(type(n) is int and n >= 0 for n in shape) or dtype not in SUPPORTED:
                 at = f"{self.where}: summary of tensor {name!r}"  # the checks again, to name what is wrong
                 int_list(shape, at, "shape"), dtype_of(dtype, at, "dtype")
             out[name] = ArrayMeta.deferred(name, tuple(shape), dtype, functools.partial(self.array, name))
         return out
 
-    def _record(self, name: str, entry: list[Any]) -> dict[str, Any]:
+    def _record(self, name: str, index: int) -> dict[str, Any]:
         """A tensor's array document from the summary's records: its record, its dimension names."""
-        return {**self.records[entry[2]], "dimension_names": dimension_names(name, len(entry[0]))}
+        shape = self.records[index].get("shape")
+        return {**self.records[index], "dimension_names": dimension_names(name, len(shape) if type(shape) is list
+                                                                            else 0)}
 
     def array(self, name: str) -> ArrayMeta:
         """The full record of one array: from the summary's records where it has them (each distinct one
         checked once), else from its consolidated document."""
-        entry = (self.summary or {}).get(name)
-        if type(entry) is list and len(entry) == 3:
-            parsed = self._parsed.get(entry[2])
+        index = self.record_of.get(name)
+        if index is not None:
+            parsed = self._parsed.get(index)
             if parsed is None:
-                parsed = self._parsed[entry[2]] = ArrayMeta.from_zarr_json(name, self._record(name, entry),
-                                                                           self.where)
+                parsed = self._parsed[index] = ArrayMeta.from_zarr_json(name, self._record(name, index), self.where)
             return dataclasses.replace(parsed, name=name) if parsed.name != name else parsed
         doc = self.documents().get(tensor_path(name))
         if not isinstance(doc, dict) or doc.get("node_type") != "array":
