@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -199,3 +201,47 @@ def test_summary_records_that_disagree_with_zarr_are_refused(tmp_path: Path) -> 
     _rewrite_root(url3, lambda doc: doc["attributes"]["reshard"].__setitem__("records", {"a": 1}))
     with pytest.raises(FormatError, match="malformed summary records"):
         rs.open(url3)
+
+
+def _leaves(node: object, path: tuple = ()) -> list[tuple]:
+    """Every (path to a JSON value) below ``node``, containers included."""
+    out = [path]
+    if isinstance(node, dict):
+        for k, v in node.items():
+            out += _leaves(v, (*path, k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            out += _leaves(v, (*path, i))
+    return out
+
+
+def test_fuzzed_summary_records_read_exact_or_refused(tmp_path: Path) -> None:
+    """Hostile values anywhere in ``records`` / ``record_of`` (re-signed, so only the checks stand between them
+    and the reader): every read gives the saved values or a ReshardError, never another exception."""
+    rng = random.Random(26)
+    junk = [None, -1, 0, 7, 2**62, "x", "float32", [], {}, [1, 2], {"name": "bytes"}, True, 1.5]
+    url, state = _save_repeated(tmp_path)
+    doc = json.loads(Path(rs.open(url).zarr_url, "zarr.json").read_bytes())
+    spots = [p for key in ("records", "record_of") for p in _leaves(doc["attributes"]["reshard"][key], (key,))]
+    for trial in range(60):
+        where, value = rng.choice(spots), rng.choice(junk)
+        trial_url = str(tmp_path / f"t{trial}")
+        shutil.copytree(url, trial_url)
+
+        def edit(d: dict, where: tuple = where, value: object = value) -> None:
+            node = d["attributes"]["reshard"]
+            for k in where[:-1]:
+                node = node[k]
+            if where[1:]:
+                node[where[-1]] = value
+            else:
+                d["attributes"]["reshard"][where[0]] = value
+
+        _rewrite_root(trial_url, edit)
+        try:
+            ckpt = rs.open(trial_url)
+            got = {name: ckpt.read(name) for name in state}
+        except rs.ReshardError:
+            continue
+        for name, want in state.items():  # read without an error: then exactly what was saved
+            np.testing.assert_array_equal(got[name], want, err_msg=f"{where} = {value!r}")
