@@ -13,6 +13,8 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Sequence
+from typing import Any
 
 from reshard.layouts.errors import FormatError
 
@@ -145,3 +147,20 @@ def check_tree(top: str, url: str) -> None:
 def too_big(where: str, size: int, limit: int) -> FormatError:
     return FormatError(f"{where} is {size} bytes, over the {limit}-byte limit of what reshard reads of such an "
                        "object (malformed or hostile?)")
+
+
+#: Buffers one ``writev``/``preadv`` takes at most (Linux's ``IOV_MAX`` is 1024).
+IOV_MAX = 512
+
+
+def writev_all(fd: int, parts: Sequence[Any]) -> None:
+    """Write every byte of ``parts`` (at most :data:`IOV_MAX` buffers) at the file's position, however short
+    each ``writev`` falls."""
+    views = [memoryview(p).cast("B") for p in parts]
+    while views:
+        n = os.writev(fd, views)
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]

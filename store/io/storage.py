@@ -14,7 +14,6 @@ import errno
 import hashlib
 import os
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -23,17 +22,12 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from reshard.layouts.errors import CheckpointExistsError, ReshardError, StorageError
 
-from . import direct, localfs
+from . import direct, localfs, retry
 from .stats import IOStats
 
 T = TypeVar("T")
-_IOV_MAX = 512
 #: fsync of a folder answered with these: the file system keeps its folders in order itself, or cannot.
 _NO_FOLDER_SYNC = (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF)
-_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
-#: Errors no retry can cure: denied, no space, a link or a loop of links, a name too long, not seekable.
-_PERMANENT_ERRNOS = (errno.EACCES, errno.EPERM, errno.ENOSPC, errno.ELOOP, errno.ENAMETOOLONG, errno.ESPIPE,
-                     errno.ENXIO)
 #: Largest object :meth:`Storage.read` reads whole unless told otherwise: whole reads are metadata documents
 #: and small shards (documents have lower limits of their own: :mod:`reshard.store.format.schema`).
 MAX_WHOLE_READ = 1 << 30
@@ -221,8 +215,8 @@ class Storage:
             fd = self._call(key, lambda: self._local_fd(key))
             try:
                 done, pos = 0, offset
-                for i in range(0, len(buffers), _IOV_MAX):
-                    part = buffers[i : i + _IOV_MAX]
+                for i in range(0, len(buffers), localfs.IOV_MAX):
+                    part = buffers[i : i + localfs.IOV_MAX]
                     want = sum(b.nbytes for b in part)
                     got = os.preadv(fd, part, pos)
                     if got != want:  # short read: the object is shorter than its index says
@@ -288,8 +282,8 @@ class Storage:
         if self.local:
             with self._created(key) as fd:
                 if not (self.durable and direct.write(fd, parts)):  # durable: around the page cache
-                    for i in range(0, len(parts), _IOV_MAX):
-                        _writev_all(fd, parts[i : i + _IOV_MAX])
+                    for i in range(0, len(parts), localfs.IOV_MAX):
+                        localfs.writev_all(fd, parts[i : i + localfs.IOV_MAX])
         else:
             blob = parts[0] if len(parts) == 1 else b"".join(parts)
             self._call(key, lambda: self.fs.pipe_file(self.path(key), bytes(blob)))
@@ -326,11 +320,11 @@ class Storage:
                     nbytes += len(chunk)
                     pending.append(chunk)
                     held += len(chunk)
-                    if held >= part_bytes or len(pending) >= _IOV_MAX:
-                        _writev_all(fd, pending)
+                    if held >= part_bytes or len(pending) >= localfs.IOV_MAX:
+                        localfs.writev_all(fd, pending)
                         pending, held = [], 0
                 if pending:
-                    _writev_all(fd, pending)
+                    localfs.writev_all(fd, pending)
         else:
             started: list[bool] = []
 
@@ -423,7 +417,7 @@ class Storage:
                 except FileExistsError:
                     raise CheckpointExistsError(f"{self.url}/{key} already exists") from None
                 try:
-                    _writev_all(fd, [data])
+                    localfs.writev_all(fd, [data])
                     if self.durable:
                         os.fsync(fd)
                 finally:
@@ -500,26 +494,8 @@ class Storage:
 
     # ------------------------------------------------------------ retries
     def _call(self, key: str, fn: Callable[[], T]) -> T:
-        """Run one storage call, retrying transient failures with backoff."""
-        for attempt in range(self.retries + 1):
-            try:
-                return fn()
-            except FileNotFoundError as e:
-                if _missing_bucket(e):  # not "nothing there": the store itself is not there
-                    raise StorageError(f"{self.url}/{key}: {e}") from e
-                raise
-            except FileExistsError:
-                raise
-            except _PERMANENT as e:
-                raise StorageError(f"{self.url}/{key}: {type(e).__name__}: {e}") from e
-            except (OSError, TimeoutError, ConnectionError) as e:
-                if attempt == self.retries or not _transient(e):
-                    raise StorageError(
-                        f"{self.url}/{key}: failed after {attempt + 1} attempt(s): {e}"
-                    ) from e
-                self.count(retries=1)
-                time.sleep(min(2.0, 0.05 * 2**attempt))
-        raise AssertionError("unreachable")
+        """Run one storage call, retrying transient failures with backoff (:func:`reshard.store.io.retry.call`)."""
+        return retry.call(f"{self.url}/{key}", fn, self.retries, lambda: self.count(retries=1))
 
 
 def _mtime(info: dict[str, Any]) -> float | None:
@@ -535,25 +511,3 @@ def _mtime(info: dict[str, Any]) -> float | None:
         except (TypeError, ValueError):
             continue
     return None
-
-
-def _missing_bucket(e: FileNotFoundError) -> bool:
-    """Whether a "not found" is about the bucket (S3 ``NoSuchBucket``, GCS/Azure alike), not a key."""
-    causes = [e, e.__cause__, e.__context__]
-    text = " ".join(f"{type(c).__name__} {c}" for c in causes if c is not None).lower()
-    return "nosuchbucket" in text or "bucket does not exist" in text or "containernotfound" in text
-
-
-def _transient(e: BaseException) -> bool:
-    return not (isinstance(e, OSError) and e.errno in _PERMANENT_ERRNOS)
-
-
-def _writev_all(fd: int, parts: Sequence[Any]) -> None:
-    views = [memoryview(p).cast("B") for p in parts]
-    while views:
-        n = os.writev(fd, views)
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
