@@ -80,7 +80,7 @@ def _records(metas: dict[str, ArrayMeta], docs: dict[str, str], names: list[str]
     tensor's index into them, in the summary's order), for the summary: a reader then resolves 10,000 tensors
     of a few shapes and layouts from those few documents, without parsing the ~1 KB of consolidated JSON each
     tensor has (issue 26: most of a rank's restore). Two keys of their own, which earlier readers ignore.
-    None where there would be more than :data:`MAX_RECORDS`, or fewer than twice as many tensors (nothing
+    Empty where there would be more than :data:`MAX_RECORDS`, or fewer than twice as many tensors (nothing
     repeats enough to pay for the copies)."""
     index: dict[str, int] = {}
     of: list[int] = []
