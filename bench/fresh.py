@@ -15,6 +15,11 @@ commits; once. This module measures that way, beside the warm harness:
   (durable: fsynced), ``dcp.save(state, checkpoint_id=url)`` (``sync_files=True``);
   loads are the redivided loads of the warm harness (W1 8 -> 7 ranks, W3 tp4 x dp2
   -> tp2 x dp3), read from a warm page cache (the files are read by ``cat`` first);
+- every load runs twice: with fresh memory as this VM gives it (reclaimed by its
+  host's balloon: first touch at about 1 GB/s), and with *host-backed* memory
+  (:data:`BACKED`: the harness touches and frees memory just before the run,
+  :func:`bench.harness.back_free_memory`), as every machine without a balloon
+  gives it. Saves allocate nothing in their timed window but an 8 MiB buffer;
 - reshard and DCP alternate (A B A B ...), ``reps`` times each, every run after
   a pause of ``SETTLE_S`` (see :func:`bench.harness.run_group`); the rows give the
   median, min and max.
@@ -38,6 +43,9 @@ if TYPE_CHECKING:
 CASES = (("w1", [8], [7], "save, 8 fresh processes, defaults", "redivided load 8 -> 7, fresh processes"),
          ("w3", [2, 4], [3, 2], "save, tp4 x dp2, fresh processes, defaults", "redivided load to tp2 x dp3, fresh"))
 
+
+#: Phase suffix of the loads run on host-backed memory, and how much (times the workload's bytes) is backed first.
+BACKED, BACKED_TIMES = ", host-backed memory", 3
 
 #: Pause before each timed run: fresh memory costs the same whichever system ran before (harness.run_group).
 SETTLE_S = 3.0
@@ -107,7 +115,8 @@ def run(runner: Runner) -> None:
         _interleaved(runner, label, save, systems, saves, base, urls, len(_ranks(mesh)), size)
         for s in systems:  # loads read a warm page cache, every system alike (as the warm harness)
             time_cat(files_under(urls[s]), 1, 0)
-        _interleaved(runner, label, load, systems, loads, base, urls, len(_ranks(target)), size)
+        for suffix, backed in (("", 0), (BACKED, BACKED_TIMES * size)):
+            _interleaved(runner, label, load + suffix, systems, loads, base, urls, len(_ranks(target)), size, backed)
 
 
 def _ranks(mesh: list[int]) -> range:
@@ -115,7 +124,7 @@ def _ranks(mesh: list[int]) -> range:
 
 
 def _interleaved(runner: Runner, label: str, phase: str, systems: list[str], tasks: dict[str, str],
-                 base: dict[str, Any], urls: dict[str, str], world: int, size: int) -> None:
+                 base: dict[str, Any], urls: dict[str, str], world: int, size: int, backed: int = 0) -> None:
     """``reps`` rounds of one fresh group per system (A B A B ...); one row per system."""
     from bench.workloads import Row
 
@@ -124,7 +133,7 @@ def _interleaved(runner: Runner, label: str, phase: str, systems: list[str], tas
         for s in systems:
             args = {**base, "url": urls[s], **({"port": free_port()} if s == "dcp" else {})}
             m = run_group(tasks[s], world, args, reps=1, warmup=0, budget_s=runner.opts.budget_s,
-                          settle_s=0.0 if runner.opts.cfg is data.SMOKE else SETTLE_S)
+                          settle_s=0.0 if runner.opts.cfg is data.SMOKE else SETTLE_S, backed_bytes=backed)
             into = got[s]
             into.times += m.times
             into.peak_rss, into.base_rss = max(into.peak_rss, m.peak_rss), max(into.base_rss, m.base_rss)

@@ -205,3 +205,29 @@ def test_ranks_that_disagree_are_told_which_tensor_and_how(tmp_path):
         with pytest.raises(rs.FormatError, match=want):
             rs.commit(url, ranks=[0, 1])
         assert not (tmp_path / name / ".reshard" / "commit.json").exists()
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_small_save_commits_reading_each_rank_once(tmp_path, monkeypatch, keep):
+    """The commit keeps the shard table the manifest's read already fetched (KEEP_TABLES bytes in all): one read
+    of a small save's rank object where two were made; with nothing kept, the table is read again (and the
+    commit is the same)."""
+    from reshard.store.commit import merge
+
+    url = str(tmp_path / "ck")
+    full, _ = save(url, commit=False)
+    reads: list[str] = []
+    real = Storage.read_tail
+
+    def counted(self: Storage, key: str, nbytes: int) -> bytes:
+        reads.append(key)
+        return real(self, key, nbytes)
+
+    monkeypatch.setattr(Storage, "read_tail", counted)
+    if not keep:
+        monkeypatch.setattr(merge, "KEEP_TABLES", 0)
+    rs.commit(url, ranks=list(range(RANKS)))
+    monkeypatch.undo()
+    # ranks 1 and 3 carry no records: their objects are read for the manifest and the table only
+    assert [reads.count(f"packed/{r}.bin") for r in (1, 3)] == ([1, 1] if keep else [2, 2])
+    check(url, full)

@@ -9,7 +9,8 @@ ranks x 10,000 tensors. Here the commit reads
    the lengths of its parts), keeping only the few fields it needs;
 2. each distinct layout group's tensor records once, from the group's carrier
    (the lowest rank of its layouts): the array records;
-3. every rank's shard table, one rank at a time, as numbers: each shard's
+3. every rank's shard table, one rank at a time, as numbers (from the bytes of
+   step 1 where they held it, up to :data:`KEEP_TABLES` bytes in all): each shard's
    object, offset and length go straight into three arrays laid out by tensor,
    then C order of its grid (the order of the references), 20 bytes a shard.
 
@@ -37,8 +38,10 @@ from ..format.trailers import group_records, read_head, read_table
 from ..io import pool
 from ..io.storage import Storage
 
-#: Bytes of a data object's end read for its manifest (the table is read on its own later).
+#: Bytes of a data object's end read for its manifest (and, for small saves, its table).
 HEAD_GUESS = 64 << 10
+#: Most bytes of tables kept from those reads (a small save's commit then reads each rank once); beyond, reread.
+KEEP_TABLES = 64 << 20
 
 
 @dataclass
@@ -93,7 +96,9 @@ def merge_ranks(gen: Storage, save_id: str | None, expected: list[int],
     (the caller then takes the general path, which also names what is missing). ``fresh``: read and check
     every records document even when one with its sha256 was read before (``verify``)."""
     heads: dict[int, tuple[dict[str, Any], tuple[int, int, int, int]]] = {}
+    tables: dict[int, bytes] = {}  # the end of a rank's object from its table on, where the first read held it
     lock = threading.Lock()
+    kept = [0]
 
     def head(r: int) -> None:
         try:
@@ -102,12 +107,17 @@ def merge_ranks(gen: Storage, save_id: str | None, expected: list[int],
             return
         if tail[-8:] != TRAILER_MAGIC_V3:
             return
-        doc, _, parts = read_head(gen, r, tail)
+        doc, tail, parts = read_head(gen, r, tail)
         if save_id is not None and doc.get("save_id") != save_id:
             return
-        kept: dict[str, Any] = {k: doc[k] for k in ("groups", "carried", "leaves", "table_sha256") if k in doc}
+        fields: dict[str, Any] = {k: doc[k] for k in ("groups", "carried", "leaves", "table_sha256") if k in doc}
+        footer, _, n_table, n_manifest = parts
+        end = footer + n_manifest + n_table
         with lock:
-            heads[r] = kept, parts
+            heads[r] = fields, parts
+            if end <= len(tail) and kept[0] + end <= KEEP_TABLES:
+                kept[0] += end
+                tables[r] = tail[len(tail) - end:]
 
     pool.run_all([functools.partial(head, r) for r in expected], gen.local)
     if len(heads) != len(set(expected)):
@@ -118,7 +128,7 @@ def merge_ranks(gen: Storage, save_id: str | None, expected: list[int],
     leaves: dict[str, Any] = {}
     for r in sorted(heads, reverse=True):  # the lowest rank's leaves win
         leaves.update(heads[r][0]["leaves"])
-    return _locations(gen, heads, metas, leaves)
+    return _locations(gen, heads, tables, metas, leaves)
 
 
 def _records(gen: Storage, heads: dict[int, tuple[dict[str, Any], tuple[int, int, int, int]]],
@@ -146,8 +156,9 @@ def _records(gen: Storage, heads: dict[int, tuple[dict[str, Any], tuple[int, int
 
 
 def _locations(gen: Storage, heads: dict[int, tuple[dict[str, Any], tuple[int, int, int, int]]],
-               metas: dict[str, ArrayMeta], leaves: dict[str, Any]) -> Merged:
-    """Every shard's location, from the ranks' tables (read one at a time per thread, as numbers)."""
+               tables: dict[int, bytes], metas: dict[str, ArrayMeta], leaves: dict[str, Any]) -> Merged:
+    """Every shard's location, from the ranks' tables (``tables``: those already read; the others are read one
+    at a time per thread), as numbers."""
     names = list(metas)
     gid = {n: i for i, n in enumerate(names)}
     grids = [metas[n].grid for n in names]
@@ -163,7 +174,7 @@ def _locations(gen: Storage, heads: dict[int, tuple[dict[str, Any], tuple[int, i
 
     def place(r: int) -> None:
         doc, parts = heads[r]
-        table = read_table(gen, r, doc, b"", parts)
+        table = read_table(gen, r, doc, tables.pop(r, b""), parts)
         t_gid = _tensor_ids(table)
         with lock:
             o_ids = np.asarray([objects.setdefault(o, len(objects)) for o in table.objects] or [0], dtype=np.int32)
