@@ -23,18 +23,22 @@ is removed after the next successful commit.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
+from reshard.layouts import all_ranks
 from reshard.layouts.errors import CheckpointExistsError, CommitConflictError, UncommittedCheckpointError
 
 from ..commit.locks import lock_body, lock_is_stale
 from ..commit.marker import generation_of, read_marker
 from ..commit.protocol import commit
 from ..format.manifests import describe_missing, has_written, read_manifest
+from ..format.tree import LayoutSpec, resolve_layout
 from ..io.storage import Storage
 from .index import INDEX_KEY, Index, StepRecord, is_committed, read_index, step_dir, step_of, write_index
 from .retention import Retention, delete_steps, plan, referenced, referenced_steps
@@ -305,3 +309,30 @@ class Committer:
         except Exception:  # the original failure is what the caller raises
             pass
 
+
+def all_layout_ranks(layouts: LayoutSpec, shapes: Mapping[str, tuple[int, ...]] | None) -> list[int]:
+    """Every rank the layouts name (``layouts`` a mapping, or a rule resolved over ``shapes``; else none)."""
+    if isinstance(layouts, Mapping):
+        found = list(layouts.values())
+    elif shapes:
+        found = [resolve_layout(layouts, n, tuple(s)) for n, s in shapes.items()]
+    else:
+        return []
+    return sorted(all_ranks(found))
+
+
+def process_ranks(rank: int | Iterable[int] | None, committer: int) -> set[int]:
+    """The ranks this process saves, as far as it can tell."""
+    if rank is not None:
+        return {int(rank)} if isinstance(rank, int | np.integer) else {int(r) for r in rank}
+    if os.environ.get("RANK", "").isdigit():
+        return {int(os.environ["RANK"])}
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return {int(dist.get_rank())}
+    jax = sys.modules.get("jax")
+    if jax is not None and jax.process_count() > 1:
+        return {committer} if jax.process_index() == 0 else set()
+    return {committer}  # no distributed job in sight: this process is the only one

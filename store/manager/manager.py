@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -28,20 +27,19 @@ from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import numpy as np
-from reshard.layouts import all_ranks
 from reshard.layouts.errors import CheckpointNotFoundError, UncommittedCheckpointError
 
 from ..format.grid import writes_any
 from ..format.manifests import read_manifest
-from ..format.tree import LayoutSpec, flatten, resolve_layout, to_json
+from ..format.tree import LayoutSpec, flatten, to_json
 from ..io.storage import Storage
 from ..read.checkpoint import Checkpoint
 from ..read.open import open as open_checkpoint
 from ..write.writer import CheckpointWriter
-from .committer import JOB_LEASE, Committer
+from .committer import JOB_LEASE, Committer, all_layout_ranks, process_ranks
 from .index import StepRecord, committed_steps, metrics_of, read_index, step_dir
 from .retention import Retention, pin
-from .staging import StagingPool, _is_jax, _is_torch, host_dtype
+from .staging import StagingPool, as_host, host_dtype
 
 #: Seconds the committer waits for every rank of a step before giving the step up.
 DEFAULT_COMMIT_TIMEOUT = 600.0
@@ -125,7 +123,7 @@ class CheckpointManager:
         self.policy = Retention(max_to_keep, keep_every, keep_best, best_metric, best_mode)
         self.async_save = bool(async_save)
         self.staging = StagingPool(max_pending)
-        self.expected = _all_ranks(layouts, options.get("shapes")) if layouts is not None else []
+        self.expected = all_layout_ranks(layouts, options.get("shapes")) if layouts is not None else []
         self.committer_rank = int(committer) if committer is not None else (self.expected[0] if self.expected else 0)
         self._stop = threading.Event()
         self.committer = Committer(self.root, self.policy, timeout=float(commit_timeout), poll_max=poll_max,
@@ -144,8 +142,8 @@ class CheckpointManager:
         self._closed = False
         self._heartbeat: threading.Thread | None = None
         #: Ranks of this process write once the committer has reconciled (another process's committer: waited for).
-        self._ready = layouts is None or self.committer_rank in _process_ranks(rank, self.committer_rank)
-        if layouts is not None and self.committer_rank in _process_ranks(rank, self.committer_rank):
+        self._ready = layouts is None or self.committer_rank in process_ranks(rank, self.committer_rank)
+        if layouts is not None and self.committer_rank in process_ranks(rank, self.committer_rank):
             self.committer.take_job_lock()  # one job per root: a second one is refused here
             try:
                 self.committer.reconcile()
@@ -208,7 +206,7 @@ class CheckpointManager:
         tensors = {n: v for n, v in tensors.items() if n not in stand_ins}
         leaves.update(stand_ins)
         staged = self.staging.stage(rank, tensors, check=self.raise_errors) if self.async_save else None
-        state = {**(staged.arrays if staged is not None else {n: _host(v) for n, v in tensors.items()}), **leaves}
+        state = {**(staged.arrays if staged is not None else {n: as_host(v) for n, v in tensors.items()}), **leaves}
         written: Future[None] = Future()
         commit: Future[StepRecord] | None = Future() if rank == self.committer_rank else None
         with self._lock:
@@ -467,44 +465,6 @@ def _step(step: Any) -> int:
     if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
     return int(step)
-
-
-def _all_ranks(layouts: LayoutSpec, shapes: Mapping[str, tuple[int, ...]] | None) -> list[int]:
-    if isinstance(layouts, Mapping):
-        found = list(layouts.values())
-    elif shapes:
-        found = [resolve_layout(layouts, n, tuple(s)) for n, s in shapes.items()]
-    else:
-        return []
-    return sorted(all_ranks(found))
-
-
-def _process_ranks(rank: int | Iterable[int] | None, committer: int) -> set[int]:
-    """The ranks this process saves, as far as it can tell."""
-    if rank is not None:
-        return {int(rank)} if isinstance(rank, int | np.integer) else {int(r) for r in rank}
-    if os.environ.get("RANK", "").isdigit():
-        return {int(os.environ["RANK"])}
-    import sys
-
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return {int(dist.get_rank())}
-    jax = sys.modules.get("jax")
-    if jax is not None and jax.process_count() > 1:
-        return {committer} if jax.process_index() == 0 else set()
-    return {committer}  # no distributed job in sight: this process is the only one
-
-
-def _host(value: Any) -> Any:
-    """A value the writer can take as a numpy array (torch through its bit-exact view)."""
-    if _is_torch(value):
-        from ..format.torch_arrays import to_numpy
-
-        return to_numpy(value)
-    if _is_jax(value):
-        return np.asarray(value)
-    return value
 
 
 def _wait_all(futures: list[Future[Any]], deadline: float | None) -> None:

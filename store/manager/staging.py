@@ -46,6 +46,17 @@ def _is_jax(value: Any) -> bool:
     return type(value).__module__.startswith("jax") and hasattr(value, "copy_to_host_async")
 
 
+def as_host(value: Any) -> Any:
+    """A value the writer can take as a numpy array (torch through its bit-exact view)."""
+    if _is_torch(value):
+        from ..format.torch_arrays import to_numpy
+
+        return to_numpy(value)
+    if _is_jax(value):
+        return np.asarray(value)
+    return value
+
+
 def host_dtype(value: Any) -> np.dtype[Any]:
     """The numpy dtype a tensor is stored with (torch bfloat16/float8 through ml_dtypes)."""
     if _is_torch(value):
