@@ -23,11 +23,10 @@ from fsspec.implementations.local import LocalFileSystem
 from reshard.layouts.errors import CheckpointExistsError, ReshardError, StorageError
 
 from . import direct, localfs, retry
+from .folders import FolderSync
 from .stats import IOStats
 
 T = TypeVar("T")
-#: fsync of a folder answered with these: the file system keeps its folders in order itself, or cannot.
-_NO_FOLDER_SYNC = (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF)
 #: Largest object :meth:`Storage.read` reads whole unless told otherwise: whole reads are metadata documents
 #: and small shards (documents have lower limits of their own: :mod:`reshard.store.format.schema`).
 MAX_WHOLE_READ = 1 << 30
@@ -73,8 +72,7 @@ class Storage:
         self._also: IOStats | None = None
         self._lock = threading.Lock()
         #: Durable writes: folders whose entries changed since they were last fsynced (shared by child storages).
-        self._unsynced: set[str] = set()
-        self._syncing = threading.Lock()  # one sync at a time: a publish waits for folders another sync took
+        self._folders = FolderSync()
 
     def __repr__(self) -> str:
         return f"Storage({self.url!r})"
@@ -389,7 +387,7 @@ class Storage:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.path(tmp))
                 raise
-            self._changed(os.path.dirname(self.path(key)))
+            self._folders.changed(os.path.dirname(self.path(key)))
             self.sync()
 
     def write_new(self, key: str, data: bytes) -> None:
@@ -422,7 +420,7 @@ class Storage:
                         os.fsync(fd)
                 finally:
                     os.close(fd)
-                self._changed(os.path.dirname(path))
+                self._folders.changed(os.path.dirname(path))
                 self.sync()
         else:
             try:
@@ -442,36 +440,15 @@ class Storage:
         Publishing writes call it; a writer whose objects another storage
         publishes (a redivide task) calls it before it reports its work done.
         """
-        if not self.durable:
-            return
-        with self._syncing:
-            with self._lock:
-                todo = sorted(self._unsynced, key=len, reverse=True)
-                self._unsynced.clear()  # in place: child storages share the set
-            for folder in todo:  # deepest first: a new folder's own entries, then its name in its parent
-                try:
-                    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-                except FileNotFoundError:  # removed since (a cleaned-up step): nothing to keep
-                    continue
-                try:
-                    os.fsync(fd)
-                except OSError as e:  # a file system that cannot sync folders (some network and FUSE mounts)
-                    if e.errno not in _NO_FOLDER_SYNC:
-                        raise
-                finally:
-                    os.close(fd)
+        if self.durable:
+            self._folders.sync()
 
     def _makedirs(self, folder: str) -> None:
         """Create ``folder`` and its missing parents; durable storage notes the folders whose entries change."""
-        if not self.durable:
+        if self.durable:
+            self._folders.makedirs(folder)
+        else:
             os.makedirs(folder, exist_ok=True)
-            return
-        changed, top = [folder], folder
-        while not os.path.isdir(top):
-            top = os.path.dirname(top)
-            changed.append(top)
-        os.makedirs(folder, exist_ok=True)
-        self._changed(*changed)
 
     @contextlib.contextmanager
     def _naming(self, key: str) -> Iterator[None]:
@@ -482,10 +459,6 @@ class Storage:
             raise
         except OSError as e:
             raise StorageError(f"{self.url}/{key}: {type(e).__name__}: {e}") from e
-
-    def _changed(self, *folders: str) -> None:
-        with self._lock:
-            self._unsynced.update(folders)
 
     def delete(self, key: str, *, recursive: bool = True) -> None:
         """Remove an object or a whole prefix; absent is fine. ``recursive=False``: one object (no LIST on S3)."""
