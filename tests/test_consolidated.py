@@ -16,6 +16,8 @@ from reshard.layouts.errors import FormatError
 from reshard.store.format.consolidated import summary_seal
 from reshard.store.format.schema import with_digest
 
+from tests.reliability.harness import json_paths
+
 pytestmark = pytest.mark.directory_form  # these tests look at or damage the directory form's files
 
 
@@ -203,19 +205,6 @@ def test_summary_records_that_disagree_with_zarr_are_refused(tmp_path: Path) -> 
         rs.open(url3)
 
 
-def _leaves(node: object, path: tuple = ()) -> list[tuple]:
-    """Every (path to a JSON value) below ``node``, containers included (tests/reliability/test_fuzz.py has the
-    same walk: the reliability tests import from their own folder, these from the repository's)."""
-    out = [path]
-    if isinstance(node, dict):
-        for k, v in node.items():
-            out += _leaves(v, (*path, k))
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            out += _leaves(v, (*path, i))
-    return out
-
-
 def test_fuzzed_summary_records_read_exact_or_refused(tmp_path: Path) -> None:
     """Hostile values anywhere in ``records`` / ``record_of`` (re-signed, so only the checks stand between them
     and the reader): every read gives the saved values or a ReshardError, never another exception."""
@@ -223,7 +212,7 @@ def test_fuzzed_summary_records_read_exact_or_refused(tmp_path: Path) -> None:
     junk = [None, -1, 0, 7, 2**62, "x", "float32", [], {}, [1, 2], {"name": "bytes"}, True, 1.5]
     url, state = _save_repeated(tmp_path)
     doc = json.loads(Path(rs.open(url).zarr_url, "zarr.json").read_bytes())
-    spots = [p for key in ("records", "record_of") for p in _leaves(doc["attributes"]["reshard"][key], (key,))]
+    spots = [p for key in ("records", "record_of") for p in json_paths(doc["attributes"]["reshard"][key], (key,))]
     for trial in range(60):
         where, value = rng.choice(spots), rng.choice(junk)
         trial_url = str(tmp_path / f"t{trial}")

@@ -115,6 +115,19 @@ def kind_of(key: str, backend: Backend | None = None) -> str:
     return "other"
 
 
+def json_paths(node: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """The path (keys and indexes from ``node``) of every JSON value below ``node``, containers and ``node``
+    itself (``path``) included: where a fuzzer may put a hostile value."""
+    out = [path]
+    if isinstance(node, dict):
+        for k, v in node.items():
+            out += json_paths(v, (*path, k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            out += json_paths(v, (*path, i))
+    return out
+
+
 # --------------------------------------------------------------- state
 RANKS = 4
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 import reshard.store as rs
-from harness import RANKS, Backend, Tally, attempt, make_state, read_back, rng_for, same, save, trials
+from harness import RANKS, Backend, Tally, attempt, json_paths, make_state, read_back, rng_for, same, save, trials
 from reshard.store.format.consolidated import summary_seal
 from reshard.store.format.refs import REFS_KEY, TRAILER_MAGIC_V3
 from reshard.store.format.schema import with_digest
@@ -42,17 +42,6 @@ from reshard.store.ops.verify import verify
 
 STRINGS = ["", "x", "float32", "int32", "uint8", "float64", "bfloat16", "array", "group", "regular", "zstd",
            "bytes", "crc32c", "gen-base", "end", "little"]
-
-
-def _nodes(doc: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    out = [path]
-    if isinstance(doc, dict):
-        for k, v in doc.items():
-            out += _nodes(v, (*path, k))
-    elif isinstance(doc, list):
-        for i, v in enumerate(doc):
-            out += _nodes(v, (*path, i))
-    return out
 
 
 def _get(doc: Any, path: tuple[Any, ...]) -> Any:
@@ -80,7 +69,7 @@ def _replacements(value: Any, rng: random.Random) -> list[Any]:
 def mutate(doc: Any, rng: random.Random) -> tuple[Any, str]:
     """One random edit of a copy of ``doc``, and what it was."""
     doc = copy.deepcopy(doc)
-    path = rng.choice(_nodes(doc)[1:])
+    path = rng.choice(json_paths(doc)[1:])
     parent, last = _get(doc, path[:-1]), path[-1]
     op = rng.random()
     if isinstance(parent, dict) and op < 0.15:
