@@ -18,10 +18,13 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .core import Explicit, Layout
+from ._blocks import check_blocks, number_replicas
 from .errors import LayoutError, ShapeMismatchError
+
+if TYPE_CHECKING:
+    from .core import Layout
 
 
 def _check_ndim(shape: Sequence[int], n: int, what: str, value: Any) -> None:
@@ -32,6 +35,7 @@ def _check_ndim(shape: Sequence[int], n: int, what: str, value: Any) -> None:
 
 
 def from_mindspore(
+    cls: type[Layout],
     dev_matrix: Sequence[int],
     tensor_map: Sequence[int | Sequence[int]],
     shape: Sequence[int],
@@ -85,10 +89,11 @@ def from_mindspore(
         "opt_shard_size": opt or 0,
         "stage": stage,
     }
-    return Layout(tuple(shape), dev, rank_ids, tuple(dims), "even", False, opt, None, origin)
+    return cls(tuple(shape), dev, rank_ids, tuple(dims), "even", False, opt, None, origin)
 
 
 def from_sharded_state_dict(
+    cls: type[Layout],
     shard: Sequence[int],
     shape: Sequence[int],
     total_rank: int,
@@ -112,7 +117,7 @@ def from_sharded_state_dict(
     dev = ([repeat] if repeat != 1 else []) + shard
     tmap = list(range(len(shape) - 1, -1, -1))
     ranks = range(stage * size, (stage + 1) * size)
-    return from_mindspore(dev, tmap, shape, None, ranks, stage)
+    return from_mindspore(cls, dev, tmap, shape, None, ranks, stage)
 
 
 def _sbp_name(x: Any) -> str:
@@ -171,7 +176,7 @@ def _dims_of(split_dims: list[int | None], ndim: int) -> tuple[tuple[int, ...], 
     return tuple(tuple(i for i, d in enumerate(split_dims) if d == t) for t in range(ndim))
 
 
-def from_oneflow(ranks: Any, sbp: Any, shape: Sequence[int]) -> Layout:
+def from_oneflow(cls: type[Layout], ranks: Any, sbp: Any, shape: Sequence[int]) -> Layout:
     """Layout of a OneFlow global tensor.
 
     Parameters
@@ -191,7 +196,7 @@ def from_oneflow(ranks: Any, sbp: Any, shape: Sequence[int]) -> Layout:
     items = _placements(sbp, len(hierarchy), "sbp")
     split_dims = [_parse_placement(x, len(shape), "OneFlow") for x in items]
     origin = {"framework": "oneflow", "hierarchy": hierarchy, "sbp": [str(x) for x in items]}
-    return Layout(
+    return cls(
         tuple(shape), tuple(hierarchy), tuple(flat), _dims_of(split_dims, len(shape)),
         "balanced", True, None, None, origin,
     )
@@ -213,6 +218,7 @@ def _parse_dtensor(x: Any, ndim: int) -> tuple[int | None, int]:
 
 
 def from_dtensor(
+    cls: type[Layout],
     mesh_shape: int | Sequence[int],
     placements: Any,
     shape: Sequence[int],
@@ -248,10 +254,11 @@ def from_dtensor(
             nested.append(axes)
         dims = tuple(nested)
     origin = {"framework": "dtensor", "mesh_shape": list(mesh), "placements": [str(x) for x in items]}
-    return Layout(tuple(shape), mesh, () if ranks is None else tuple(ranks), dims, "ceil", True, None, None, origin)
+    return cls(tuple(shape), mesh, () if ranks is None else tuple(ranks), dims, "ceil", True, None, None, origin)
 
 
 def from_jax(
+    cls: type[Layout],
     mesh_axes: Mapping[str, int] | Sequence[tuple[str, int]],
     partition_spec: Sequence[Any],
     shape: Sequence[int],
@@ -287,82 +294,16 @@ def from_jax(
     }
     mesh = tuple(s for _, s in axes)
     rank_ids = () if ranks is None else tuple(ranks)
-    return Layout(tuple(shape), mesh, rank_ids, tuple(dims), "even", False, None, None, origin)
+    return cls(tuple(shape), mesh, rank_ids, tuple(dims), "even", False, None, None, origin)
 
 
-def check_blocks(shape: tuple[int, ...], blocks: Sequence[Sequence[Any]]) -> Explicit:
-    """Normalise and validate explicit blocks: replica-0 blocks tile `shape` exactly once.
-
-    Replica ``k > 0`` blocks must repeat a replica-0 region, each id once.
-    """
-    out = []
-    for b in blocks:
-        try:
-            rank, off, shp, rid = b
-            item = (int(rank), tuple(int(v) for v in off), tuple(int(v) for v in shp), int(rid))
-        except (TypeError, ValueError):
-            raise LayoutError(f"block {b!r} is not (rank, global_offset, local_shape, replica_id)") from None
-        _, off, shp, rid = item
-        if len(off) != len(shape) or len(shp) != len(shape):
-            raise ShapeMismatchError(f"block {b!r} does not have the {len(shape)} dims of shape {list(shape)}")
-        if rid < 0 or any(o < 0 or s < 0 or o + s > size for o, s, size in zip(off, shp, shape, strict=True)):
-            raise LayoutError(f"block {b!r} lies outside shape {list(shape)} or has a negative value")
-        out.append(item)
-    if not out:
-        raise LayoutError("an explicit layout needs at least one block")
-    primary = {(o, s) for _, o, s, rid in out if rid == 0 and all(s)}
-    copies: set[tuple[Any, ...]] = set()
-    for _, off, shp, rid in out:
-        if all(shp) and (off, shp, rid) in copies:
-            raise LayoutError(f"two blocks at offset {list(off)} shape {list(shp)} share replica id {rid}")
-        copies.add((off, shp, rid))
-        if rid and all(shp) and (off, shp) not in primary:
-            raise LayoutError(f"block at offset {list(off)} is replica {rid} of no replica-0 block")
-    _check_tiling(shape, sorted(primary))
-    return tuple(out)
-
-
-def _check_tiling(shape: tuple[int, ...], primary: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
-    if math.prod(shape) == 0:
-        return
-    cuts = [sorted({0, size} | {o[d] for o, _ in primary} | {o[d] + s[d] for o, s in primary})
-            for d, size in enumerate(shape)]
-    index = [{v: i for i, v in enumerate(c)} for c in cuts]
-    covered: set[tuple[int, ...]] = set()
-    for off, shp in primary:
-        ranges = [range(index[d][off[d]], index[d][off[d] + shp[d]]) for d in range(len(shape))]
-        cells = [()]  # type: list[tuple[int, ...]]
-        for r in ranges:
-            cells = [(*c, i) for c in cells for i in r]
-        for c in cells:
-            if c in covered:
-                raise LayoutError(f"replica-0 block at offset {list(off)} overlaps another block")
-            covered.add(c)
-    want = math.prod(len(c) - 1 for c in cuts)
-    if len(covered) != want:
-        raise LayoutError(f"replica-0 blocks cover {len(covered)} of {want} cells: shape {list(shape)} is not tiled")
-
-
-def _number_replicas(blocks: Sequence[Sequence[Any]]) -> list[tuple[Any, ...]]:
-    """Megatron replica ids may be tuples (main replica: all zeros): number them 0, 1, 2... per region."""
-    if not any(isinstance(b[3], (tuple, list)) for b in blocks):
-        return [tuple(b) for b in blocks]
-    same: dict[tuple[Any, ...], list[tuple[tuple[int, ...], int]]] = {}
-    for i, (_, off, shp, rid) in enumerate(blocks):
-        key = (tuple(off), tuple(shp))
-        rid = tuple(rid) if isinstance(rid, (tuple, list)) else (rid,)
-        same.setdefault(key, []).append((rid, i))
-    number = {i: n for group in same.values() for n, (_, i) in enumerate(sorted(group))}
-    return [(b[0], b[1], b[2], number[i]) for i, b in enumerate(blocks)]
-
-
-def from_blocks(shape: Sequence[int], blocks: Sequence[Sequence[Any]]) -> Layout:
+def from_blocks(cls: type[Layout], shape: Sequence[int], blocks: Sequence[Sequence[Any]]) -> Layout:
     """Layout from explicit ``(rank, global_offset, local_shape, replica_id)`` blocks (Megatron).
 
     A Megatron tuple ``replica_id`` is accepted: per region, ids are numbered
     0, 1, 2... in tuple order, so the all-zero main replica writes.
     """
     shp = tuple(int(v) for v in shape)
-    explicit = check_blocks(shp, _number_replicas(blocks))
+    explicit = check_blocks(shp, number_replicas(blocks))
     ranks = tuple(b[0] for b in explicit)
-    return Layout(shp, (len(explicit),), ranks, ((),) * len(shp), "even", False, None, explicit, None)
+    return cls(shp, (len(explicit),), ranks, ((),) * len(shp), "even", False, None, explicit, None)

@@ -12,15 +12,14 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, ClassVar
 
-from . import _ranks, _table
+from . import _ranks, _table, adapters, jsonform
+from ._blocks import Explicit, check_blocks
 from ._geometry import Geometry, geometry
 from ._split import SPLITS, divides
 from .errors import LayoutError, RankError, ShapeMismatchError
 from .records import Block
-
-Explicit = tuple[tuple[int, tuple[int, ...], tuple[int, ...], int], ...]
 
 
 def all_ranks(layouts: Iterable[Layout]) -> set[int]:
@@ -94,6 +93,13 @@ class Layout:
     opt_shard: int | None = None
     explicit: Explicit | None = None
     origin: dict[str, Any] | None = field(default=None, compare=False, hash=False)
+    #: Subclasses by the ``kind`` their JSON form names (``class FlatLayout(Layout, kind="flat")``).
+    _kinds: ClassVar[dict[str, type[Layout]]] = {}
+
+    def __init_subclass__(cls, kind: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if kind is not None:
+            Layout._kinds[kind] = cls
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -142,8 +148,6 @@ class Layout:
             self._check_explicit()
 
     def _check_explicit(self) -> None:
-        from .adapters import check_blocks
-
         blocks = check_blocks(self.shape, self.explicit or ())
         object.__setattr__(self, "explicit", blocks)
         want = tuple(b[0] for b in blocks)
@@ -380,9 +384,7 @@ class Layout:
         stage: int = 0,
     ) -> Layout:
         """From a MindSpore device matrix and tensor map (see :mod:`.adapters`)."""
-        from .adapters import from_mindspore
-
-        return from_mindspore(dev_matrix, tensor_map, shape, opt_shard_size, ranks, stage)
+        return adapters.from_mindspore(Layout, dev_matrix, tensor_map, shape, opt_shard_size, ranks, stage)
 
     @classmethod
     def from_sharded_state_dict(
@@ -394,16 +396,12 @@ class Layout:
         stage: int = 0,
     ) -> Layout:
         """From a MindSpore ``sharded_state_dict`` entry (seed 002)."""
-        from .adapters import from_sharded_state_dict
-
-        return from_sharded_state_dict(shard, shape, total_rank, stage_rank_size, stage)
+        return adapters.from_sharded_state_dict(Layout, shard, shape, total_rank, stage_rank_size, stage)
 
     @classmethod
     def from_oneflow(cls, ranks: Any, sbp: Any, shape: Sequence[int]) -> Layout:
         """From a OneFlow placement's rank array and its (N-d) SBP."""
-        from .adapters import from_oneflow
-
-        return from_oneflow(ranks, sbp, shape)
+        return adapters.from_oneflow(Layout, ranks, sbp, shape)
 
     @classmethod
     def from_dtensor(
@@ -414,9 +412,7 @@ class Layout:
         ranks: Sequence[int] | None = None,
     ) -> Layout:
         """From a torch DTensor mesh shape and placements (``Shard``/``Replicate``)."""
-        from .adapters import from_dtensor
-
-        return from_dtensor(mesh_shape, placements, shape, ranks)
+        return adapters.from_dtensor(Layout, mesh_shape, placements, shape, ranks)
 
     @classmethod
     def from_jax(
@@ -427,16 +423,12 @@ class Layout:
         ranks: Sequence[int] | None = None,
     ) -> Layout:
         """From a JAX mesh's named axes and a ``PartitionSpec``."""
-        from .adapters import from_jax
-
-        return from_jax(mesh_axes, partition_spec, shape, ranks)
+        return adapters.from_jax(Layout, mesh_axes, partition_spec, shape, ranks)
 
     @classmethod
     def from_blocks(cls, shape: Sequence[int], blocks: Sequence[Sequence[Any]]) -> Layout:
         """From explicit ``(rank, global_offset, local_shape, replica_id)`` blocks."""
-        from .adapters import from_blocks
-
-        return from_blocks(shape, blocks)
+        return adapters.from_blocks(Layout, shape, blocks)
 
     @classmethod
     def from_megatron(cls, shape: Sequence[int], blocks: Sequence[Sequence[Any]]) -> Layout:
@@ -451,9 +443,7 @@ class Layout:
 
     @cached_property
     def _json(self) -> dict[str, Any]:
-        from .jsonform import to_json
-
-        return to_json(self)
+        return jsonform.to_json(self)
 
     def to_json_text(self) -> str:
         """:meth:`to_json` as compact JSON text (``separators=(",", ":")``; cached: manifests repeat it)."""
@@ -466,15 +456,11 @@ class Layout:
     @classmethod
     def from_json(cls, obj: Any) -> Layout:
         """Inverse of :meth:`to_json`; raises FormatError on anything else."""
-        from .jsonform import from_json
-
-        return from_json(obj)
+        return jsonform.from_json(obj, Layout, Layout._kinds)
 
     def describe(self) -> str:
         """Short human form, e.g. ``dev[2,4] tmap[-1,0] opt2`` or ``mesh[2,4] dims[0,-] even``."""
-        from .jsonform import describe
-
-        return describe(self)
+        return jsonform.describe(self)
 
     def __repr__(self) -> str:
         return f"Layout(shape={list(self.shape)}, {self.describe()}, ranks={_short(self.ranks)})"

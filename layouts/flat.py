@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from . import jsonform
+from ._blocks import check_tiling
 from .core import Layout
 from .errors import LayoutError, RankError, ShapeMismatchError, UnsupportedError
 from .records import Block
@@ -118,7 +120,7 @@ def _normalise(shape: tuple[int, ...], entry: Any) -> FlatRange:
 
 
 @dataclass(frozen=True)
-class FlatLayout(Layout):
+class FlatLayout(Layout, kind="flat"):
     """A tensor of global ``shape`` whose ranks each hold one flat range of a block.
 
     Build with :meth:`from_ranges` (or :meth:`even`, :meth:`from_megatron`).
@@ -169,9 +171,7 @@ class FlatLayout(Layout):
             if at != math.prod(block):
                 raise LayoutError(f"replica-0 flat ranges of the block at {list(off)} of shape {list(block)} end at "
                                   f"{at} of its {math.prod(block)} elements")
-        from .adapters import _check_tiling
-
-        _check_tiling(self.shape, sorted(primary))
+        check_tiling(self.shape, sorted(primary))
         seen: set[tuple[Any, ...]] = set()
         for _, off, block, start, stop, rid in self.ranges:
             if start == stop:
@@ -341,9 +341,7 @@ class FlatLayout(Layout):
 
     @cached_property
     def _flat_json(self) -> dict[str, Any]:
-        from .jsonform import flat_to_json
-
-        return flat_to_json(self)
+        return jsonform.flat_to_json(self)
 
     def to_json_text(self) -> str:
         return self._flat_json_text

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import json
 import math
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, cast
 
 from . import _ranks
 from .errors import FormatError, LayoutError
@@ -72,7 +73,7 @@ def _int_list(obj: Any, what: str) -> list[int]:
     return obj
 
 
-def from_json(obj: Any) -> Layout:
+def from_json(obj: Any, layout: type[Layout], kinds: Mapping[str, type[Layout]]) -> Layout:
     """Build a layout from :func:`to_json` output (a dict, or a JSON string).
 
     Raises
@@ -81,8 +82,6 @@ def from_json(obj: Any) -> Layout:
         Not a dict of the known fields, an unknown version, wrong types, or
         values describing an impossible layout.
     """
-    from .core import Layout
-
     if isinstance(obj, (str, bytes)):
         try:
             obj = json.loads(obj)
@@ -93,7 +92,7 @@ def from_json(obj: Any) -> Layout:
     if obj.get("version") != VERSION:
         raise FormatError(f"layout JSON version {obj.get('version')!r} is not supported (want {VERSION})")
     if "kind" in obj:
-        return _flat_from_json(obj)
+        return _flat_from_json(obj, kinds)
     unknown = set(obj) - _KEYS
     if unknown:
         raise FormatError(f"layout JSON has unknown fields {sorted(unknown)}")
@@ -133,9 +132,9 @@ def from_json(obj: Any) -> Layout:
             and all(a == [] for a in dims)):  # one rank's whole tensor (the most common record): no checks left
         shape = _int_list(obj.get("shape"), "shape")
         if len(dims) == len(shape) and all(n >= 0 for n in shape):
-            return Layout.single(shape, ranks[0])
+            return layout.single(shape, ranks[0])
     try:
-        return Layout(
+        return layout(
             shape=tuple(_int_list(obj.get("shape"), "shape")),
             mesh=tuple(mesh),
             ranks=ranks if type(ranks) is tuple else tuple(_int_list(ranks, "ranks")),  # a run: checked once
@@ -154,11 +153,9 @@ def from_json(obj: Any) -> Layout:
 
 def flat_to_json(layout: FlatLayout) -> dict[str, Any]:
     """The JSON-able dict of a flat layout (short ranges when every block is the whole tensor)."""
-    from .flat import FlatLayout
-
     r = layout.ranks
     if (all(rid == 0 for *_, rid in layout.ranges) and all(b == layout.shape for _, _, b, _, _, _ in layout.ranges)
-            and FlatLayout.even(layout.shape, r) == layout):
+            and type(layout).even(layout.shape, r) == layout):
         even: Any = {"range": [r[0], r[0] + len(r)]} if r == tuple(range(r[0], r[0] + len(r))) else list(r)
         return {"version": VERSION, "kind": "flat", "shape": list(layout.shape), "even": even,
                 "origin": layout.origin}
@@ -169,11 +166,10 @@ def flat_to_json(layout: FlatLayout) -> dict[str, Any]:
             "origin": layout.origin}
 
 
-def _flat_from_json(obj: dict[str, Any]) -> FlatLayout:
-    from .flat import FlatLayout
-
+def _flat_from_json(obj: dict[str, Any], kinds: Mapping[str, type[Layout]]) -> FlatLayout:
     if obj.get("kind") != "flat":
         raise FormatError(f"layout JSON kind {obj.get('kind')!r} is not supported (want 'flat')")
+    flat = cast("type[FlatLayout]", kinds["flat"])
     unknown = set(obj) - _FLAT_KEYS
     if unknown:
         raise FormatError(f"layout JSON has unknown fields {sorted(unknown)}")
@@ -196,7 +192,7 @@ def _flat_from_json(obj: dict[str, Any]) -> FlatLayout:
         if not even or len(even) > MAX_RANKS:
             raise FormatError(f"layout JSON field 'even' must name 1 to {MAX_RANKS} ranks")
         try:
-            return FlatLayout.even(shape, even, origin)
+            return flat.even(shape, even, origin)
         except (LayoutError, ValueError) as e:
             raise FormatError(f"layout JSON describes an impossible flat layout: {e}") from e
     if type(ranges) is not list or not ranges or len(ranges) > MAX_RANKS:
@@ -213,7 +209,7 @@ def _flat_from_json(obj: dict[str, Any]) -> FlatLayout:
             raise FormatError(f"layout JSON flat range must be [rank, start, stop, replica] or "
                               f"[rank, offset, block, start, stop, replica], got {r!r}")
     try:
-        return FlatLayout.from_ranges(shape, entries, origin)
+        return flat.from_ranges(shape, entries, origin)
     except (LayoutError, ValueError) as e:
         if isinstance(e, FormatError):
             raise

@@ -92,7 +92,7 @@ def test_layouts_never_imports_store():
     assert not {m: ts for m, ts in bad.items() if ts}
 
 
-@pytest.mark.parametrize("top", ["reshard.store"])
+@pytest.mark.parametrize("top", ["reshard.store", "reshard.layouts"])
 def test_no_import_cycles(top):
     graph = _graph()
     assert _cycle({m: ts for m, ts in graph.items() if m.startswith(top)}) is None
@@ -144,3 +144,45 @@ def test_wing_check_reports_an_upward_import():
     graph = {"reshard.store.read.fetch": {"reshard.store.write.writer", "reshard.store.format.meta"},
              "reshard.store.format.meta": {"reshard.store.io.storage"}}
     assert _wing_violations(graph) == ["reshard.store.read.fetch -> reshard.store.write.writer"]
+
+
+#: The framework folders of ``store/frontends/`` and the other framework folders each may import: its shared
+#: base. DeepSpeed and Megatron-Core write ``torch.save`` pickles (``.pt``), and Megatron-Core's ``torch_dist``
+#: is a DCP folder: both read them with ``torch/`` (``pt_files``, ``dcp``). MindSpore >= 2.4 writes its rank
+#: files as safetensors, read with ``huggingface/`` (``read``). Any other import between frameworks is a defect.
+FRAMEWORK_BASES = {"torch": set(), "deepspeed": {"torch"}, "megatron": {"torch"}, "mindspore": {"huggingface"},
+                   "oneflow": set(), "huggingface": set(), "jax": set()}
+#: What stays loose in ``store/frontends/``: its docs, the importers' shared checks, and ``reshard.torch``.
+LOOSE_FRONTENDS = {"reshard.store.frontends", "reshard.store.frontends.sources",
+                   "reshard.store.frontends.torch_namespace"}
+
+
+def _framework(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[3] if len(parts) > 3 and parts[:3] == ["reshard", "store", "frontends"] else None
+
+
+def _framework_violations(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{m} -> {t}" for m, ts in graph.items() if (fm := _framework(m)) in FRAMEWORK_BASES
+                  for t in ts if (ft := _framework(t)) in FRAMEWORK_BASES and ft != fm
+                  and ft not in FRAMEWORK_BASES[fm])
+
+
+def test_every_frontend_module_sits_in_a_framework_folder():
+    loose = sorted(m for m in MODULES if m.startswith("reshard.store.frontends") and m not in LOOSE_FRONTENDS
+                   and _framework(m) not in FRAMEWORK_BASES)
+    assert loose == [], "front-end modules outside the framework folders (or FRAMEWORK_BASES)"
+    folders = {p.name for p in (ROOT / "store" / "frontends").iterdir() if (p / "__init__.py").exists()}
+    assert folders - {"torch_namespace"} == set(FRAMEWORK_BASES)
+
+
+def test_framework_folders_import_no_other_framework():
+    assert _framework_violations(_graph()) == []
+
+
+def test_framework_check_reports_a_cross_import():
+    graph = {"reshard.store.frontends.megatron.read": {"reshard.store.frontends.torch.dcp",
+                                                      "reshard.store.frontends.deepspeed.read"},
+             "reshard.store.frontends.jax.orbax": {"reshard.store.frontends.sources"}}
+    assert _framework_violations(graph) == ["reshard.store.frontends.megatron.read -> "
+                                            "reshard.store.frontends.deepspeed.read"]

@@ -20,7 +20,7 @@ import reshard.store as rs
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
-from reshard.store.frontends.dcp import read_dcp_metadata  # noqa: E402
+from reshard.store.frontends.torch.dcp import read_dcp_metadata  # noqa: E402
 
 
 class _ByName(pickle.Pickler):
@@ -49,7 +49,7 @@ def test_dcp_metadata_with_enum_members_by_getattr(tmp_path: Path) -> None:
     rewritten = _by_name(pickle.loads(meta.read_bytes()))  # our own file, written just above
     assert b"getattr" in rewritten
     meta.write_bytes(rewritten)
-    from reshard.store.frontends.dcp import import_dcp
+    from reshard.store.frontends.torch.dcp import import_dcp
 
     import_dcp(str(tmp_path / "dcp"), str(tmp_path / "ck"))
     got = rs.open(str(tmp_path / "ck"))["w"].read()

@@ -31,7 +31,7 @@ import torch
 from reshard.layouts import FlatLayout, Layout
 from reshard.layouts.errors import CheckpointNotFoundError, FormatError
 from reshard.store.frontends.deepspeed import group_buffer, import_deepspeed
-from reshard.store.frontends.deepspeed_export import PICKLE, Foreign, export_deepspeed
+from reshard.store.frontends.deepspeed.write import PICKLE, Foreign, export_deepspeed
 from reshard.store.ops.redivide import local_part
 
 RNG = np.random.default_rng(27)
@@ -315,8 +315,8 @@ def test_real_deepspeed_tensor_parallel(tmp_path):
     Megatron gives it) and saves with Megatron-DeepSpeed's universal_checkpoint_info; reshard joins the TP
     slices, and DeepSpeed loads exports for 2 TP x 1 DP and 1 TP x 3 DP ranks, saves again, and every tensor
     equals the first save's."""
-    from reshard.store.frontends.deepspeed_export import deepspeed_layouts
-    from reshard.store.frontends.pt_files import load_pt
+    from reshard.store.frontends.deepspeed import deepspeed_layouts
+    from reshard.store.frontends.torch.pt_files import load_pt
 
     ds_job("save", tmp_path / "ds", 4, 2, 2)
     assert import_deepspeed(str(tmp_path / "ds"), str(tmp_path / "rs"))["tp"] == 2

@@ -17,8 +17,7 @@ import reshard.store as rs
 import torch
 from reshard.layouts import FlatLayout
 from reshard.layouts.errors import FormatError, UnsupportedError
-from reshard.store.frontends.deepspeed import import_deepspeed
-from reshard.store.frontends.deepspeed_export import deepspeed_layouts, export_deepspeed
+from reshard.store.frontends.deepspeed import deepspeed_layouts, export_deepspeed, import_deepspeed
 from test_deepspeed import STATES, build_save, reference_parts
 
 RNG = np.random.default_rng(2727)

@@ -1,4 +1,4 @@
-"""FSDP1 FlatParameter state saved by its ranks as flat ranges (reshard.store.frontends.fsdp_flat).
+"""FSDP1 FlatParameter state saved by its ranks as flat ranges (reshard.store.frontends.torch.fsdp_flat).
 
 Real FSDP1 on 3 gloo ranks (tests/torchproc.py): each rank writes its own ranges of every
 parameter (and, with ``use_orig_params=False``, of Adam's ``exp_avg``), no gather; the
@@ -28,7 +28,7 @@ def build():
 
 def worker(rank: int, world: int, port: int, url: str, ref: str, orig: bool) -> None:
     import torch
-    from reshard.store.frontends.fsdp_flat import flat_param_buffer, fsdp1_layouts, fsdp1_local, split_flat
+    from reshard.store.frontends.torch.fsdp_flat import flat_param_buffer, fsdp1_layouts, fsdp1_local, split_flat
     from torch.distributed.fsdp import FullStateDictConfig, StateDictType
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -81,7 +81,7 @@ def worker(rank: int, world: int, port: int, url: str, ref: str, orig: bool) -> 
 
 
 def _units(fsdp):
-    from reshard.store.frontends.fsdp_flat import _handles
+    from reshard.store.frontends.torch.fsdp_flat import _handles
 
     return _handles(fsdp)
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import reshard.store as rs
 from reshard.layouts import Layout
-from reshard.store.frontends.safetensors import export_safetensors, import_safetensors, read_header
+from reshard.store.frontends.huggingface import export_safetensors, import_safetensors, read_header
 
 
 def _state() -> dict[str, np.ndarray]:

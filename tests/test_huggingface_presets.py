@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import reshard.store as rs
-from reshard.store.frontends.hf_presets import preset_layouts, split_dim
+from reshard.store.frontends.huggingface.presets import preset_layouts, split_dim
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -25,7 +25,7 @@ TP = 2
 
 
 def _import(model: object, tmp_path: Path) -> rs.Checkpoint:
-    from reshard.store.frontends.safetensors import import_safetensors
+    from reshard.store.frontends.huggingface import import_safetensors
 
     model.save_pretrained(tmp_path / "hf")  # type: ignore[attr-defined]
     return import_safetensors(tmp_path / "hf", str(tmp_path / "ck"))

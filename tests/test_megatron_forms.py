@@ -253,7 +253,7 @@ def test_truncated_bucket_file_is_a_clear_error(tmp_path):
 def test_export_reads_back_as_the_same_values(tmp_path, form):
     """Exported, the save imports again (through the same reader as Megatron's own saves) with every value."""
     import torch
-    from reshard.store.frontends.megatron_export import export_megatron
+    from reshard.store.frontends.megatron import export_megatron
 
     import_megatron(str(DATA / form), str(tmp_path / "rs"))
     done = export_megatron(str(tmp_path / "rs"), str(tmp_path / "mc"))
@@ -272,7 +272,7 @@ def test_export_reads_back_as_the_same_values(tmp_path, form):
 
 
 def test_export_after_a_redivision(tmp_path):
-    from reshard.store.frontends.megatron_export import export_megatron
+    from reshard.store.frontends.megatron import export_megatron
 
     import_megatron(str(DATA / "dp_reshardable"), str(tmp_path / "rs"))
     ckpt = rs.open(str(tmp_path / "rs"))
@@ -283,7 +283,7 @@ def test_export_after_a_redivision(tmp_path):
 
 
 def test_export_refusals(tmp_path):
-    from reshard.store.frontends.megatron_export import export_megatron
+    from reshard.store.frontends.megatron import export_megatron
 
     import_megatron(str(DATA / "dp_reshardable"), str(tmp_path / "rs"))
     (tmp_path / "full").mkdir()
@@ -337,7 +337,7 @@ def test_real_megatron_saves_import(tmp_path):
 def test_real_megatron_loads_the_export_at_another_parallelism(tmp_path, tp, dp):
     """dp_reshardable (TP=2 x DP=2) -> import -> export (fully_reshardable) -> Megatron-Core loads it on TP x DP
     ranks: its optimizer then holds, per parameter, exactly what the saving job held."""
-    from reshard.store.frontends.megatron_export import export_megatron
+    from reshard.store.frontends.megatron import export_megatron
 
     import_megatron(str(DATA / "dp_reshardable"), str(tmp_path / "rs"))
     export_megatron(str(tmp_path / "rs"), str(tmp_path / "mc"))

@@ -542,7 +542,7 @@ def test_per_rank_safetensors_import_and_export(tmp_path: Path) -> None:
         assert sorted(ours) == sorted(theirs)
         for name in theirs:
             np.testing.assert_array_equal(ours[name], theirs[name], err_msg=f"rank {rank} {name}")
-    from reshard.store.frontends.safetensors import read_header
+    from reshard.store.frontends.huggingface import read_header
 
     assert read_header(files[0]).metadata["format"] == "ms"
     assert main(["export", "mindspore", str(tmp_path / "ck"), str(tmp_path / "cli"), "--strategy",

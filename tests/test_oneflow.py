@@ -279,7 +279,7 @@ def test_flow_save_legacy_folders_and_what_needs_unpickling(tmp_path: Path) -> N
     import pickle
 
     from reshard.store.frontends.oneflow import load_flow_save
-    from reshard.store.frontends.oneflow_save import decode_structure
+    from reshard.store.frontends.oneflow.flow_save import decode_structure
 
     w = np.arange(6, dtype=np.float32).reshape(2, 3)
     (tmp_path / "legacy" / "fc.weight").mkdir(parents=True)

@@ -44,7 +44,7 @@ OPTIONAL = {
 }
 #: Modules that only run with an extra installed, and are never imported by ``import reshard.store``:
 #: their module-level imports belong to that extra (a DCP storage plugin subclasses torch's classes).
-OPTIONAL_MODULES = {"store/frontends/torch_dcp.py": "torch"}
+OPTIONAL_MODULES = {"store/frontends/torch/plugin.py": "torch"}
 #: Core import name -> distribution, where they differ.
 CORE_NAMES = {"dask": "dask", "ml_dtypes": "ml-dtypes"}
 #: Used without an import statement: fsspec loads s3fs for s3:// URLs; aiobotocore is s3fs's

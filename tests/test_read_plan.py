@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import reshard.store as rs
 from reshard.layouts import Layout
-from reshard.store.frontends import readplan as rp
+from reshard.store.frontends.torch import readplan as rp
 
 SHAPES = {"a": (512, 256), "b": (1000, 64), "c": (384,), "s": ()}
 

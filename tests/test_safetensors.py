@@ -22,7 +22,8 @@ import pytest
 import reshard.store as rs
 from reshard.layouts import Layout
 from reshard.store.cli import main
-from reshard.store.frontends import safetensors as sf
+from reshard.store.frontends import huggingface as sf
+from reshard.store.frontends.huggingface.write import plan_shards
 
 torch = pytest.importorskip("torch")
 st_torch = pytest.importorskip("safetensors.torch")
@@ -79,7 +80,7 @@ def same(got: np.ndarray, t: Any) -> None:
 
 def save_sharded(state: dict[str, Any], folder: Path, max_bytes: int) -> dict[str, Any]:
     """What transformers' save_pretrained(max_shard_size=...) writes: shards and their index."""
-    shards = sf.plan_shards(((n, t.numel() * t.element_size()) for n, t in state.items()), max_bytes)
+    shards = plan_shards(((n, t.numel() * t.element_size()) for n, t in state.items()), max_bytes)
     weight_map = {}
     folder.mkdir(parents=True, exist_ok=True)
     for k, names in enumerate(shards, 1):
@@ -220,7 +221,7 @@ def test_bad_files_name_file_and_tensor(tmp_path: Path, capsys: pytest.CaptureFi
 # ------------------------------------------------------------------ memory
 PEAK = textwrap.dedent("""
     import sys
-    from reshard.store.frontends.safetensors import import_safetensors
+    from reshard.store.frontends.huggingface import import_safetensors
 
     def status(field):
         with open("/proc/self/status") as f:

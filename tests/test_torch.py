@@ -309,13 +309,13 @@ def test_export_torch_for_inference(saved: Path, tmp_path: Path) -> None:
 
 
 def test_front_ends_import_no_framework() -> None:
-    code = ("import sys, reshard.store.frontends.dcp, reshard.store.frontends.torch, reshard.store.frontends.jax; "
+    code = ("import sys, reshard.store.frontends.torch, reshard.store.frontends.jax; "
             "print(sorted(m for m in ('torch', 'jax', 'orbax') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
 
 def test_dcp_import_is_importable_from_the_torch_front_end() -> None:
-    from reshard.store.frontends import dcp
+    from reshard.store.frontends.torch import dcp
 
     assert rt.import_dcp is dcp.import_dcp and rt.read_dcp_metadata is dcp.read_dcp_metadata

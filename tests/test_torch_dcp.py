@@ -22,6 +22,7 @@ import reshard.store as rs
 import reshard.torch as rt
 import torch
 import torchproc
+from reshard.store.frontends.torch import dtensor
 from test_torch_fsdp import Net, _build, _check_local, _full, _train
 
 pytestmark = pytest.mark.torch
@@ -69,7 +70,7 @@ def _load_worker(rank: int, world: int, port: int, root: str) -> None:
             assert _check_local({"model": msd, "optim": osd}, ref, rank) == len(ref), kind
             assert optim.param_groups[0]["lr"] == 0.05 and optim.param_groups[0]["betas"] == (0.9, 0.999), kind
             # only this rank's rows were read: its local pieces in float32 (+ scalar steps)
-            local = sum(rt._local(v).numel() * 4 for n, _, _, v in rt._walk({"m": msd, "o": osd})
+            local = sum(dtensor._local(v).numel() * 4 for n, _, _, v in dtensor._walk({"m": msd, "o": osd})
                         if isinstance(v, torch.Tensor))
             assert reader.last_stats.bytes_delivered == local, kind
     finally:

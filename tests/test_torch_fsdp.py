@@ -21,7 +21,7 @@ import reshard.store as rs
 import torch
 import torchproc
 from reshard.layouts import Layout, UnsupportedError
-from reshard.store.frontends import torch as rt
+from reshard.store.frontends.torch import dtensor as rt
 
 pytestmark = pytest.mark.torch
 

@@ -164,7 +164,7 @@ def test_wrong_typed_manifests_are_format_errors(tmp_path, edit):
 def test_importers_refuse_missing_sources_and_empty_imports(tmp_path, monkeypatch):
     """Defect 9: an import that found nothing committed an empty checkpoint and exited 0."""
     from reshard.store.frontends import mindspore as ms
-    from reshard.store.frontends.oneflow_npz import save_npz
+    from reshard.store.frontends.oneflow.npz import save_npz
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "empty").mkdir()
@@ -182,7 +182,7 @@ def test_importers_refuse_missing_sources_and_empty_imports(tmp_path, monkeypatc
 def test_dcp_import_refuses_missing_and_tensorless_checkpoints(tmp_path, monkeypatch):
     torch = pytest.importorskip("torch")
     import torch.distributed.checkpoint as dcp
-    from reshard.store.frontends.dcp import import_dcp
+    from reshard.store.frontends.torch.dcp import import_dcp
 
     monkeypatch.chdir(tmp_path)
     dcp.save({"step": 5, "name": "x"}, checkpoint_id=str(tmp_path / "leaves"))

@@ -3,7 +3,7 @@
 Commands: ``inspect``, ``show``, ``diff``, ``verify`` (in
 :mod:`reshard.store.cli.commands`), ``redivide``, ``export``, ``demo`` (in
 :mod:`reshard.store.cli.write`); framework ``import`` commands (in
-:mod:`reshard.store.cli.imports`).
+:mod:`reshard.store.cli.frameworks`).
 Exit codes: 0 success (``diff``: same), 1 failure (``diff``: differ), 2 usage.
 A failure prints one line, ``reshard: error: ...``, unless ``--debug``.
 """
@@ -28,7 +28,7 @@ from .commands import (
     storage_options,
     tensor_stats,
 )
-from .imports import register_import
+from .frameworks import register_import
 from .verify import cmd_verify
 from .write import (
     EXPORT_FORMATS,

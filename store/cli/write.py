@@ -15,6 +15,7 @@ from typing import Any
 from ..format.meta import ArrayMeta
 from ..read.display import human_bytes
 from .commands import emit, open_url, storage_options
+from .frameworks import FRAMEWORKS, export_file
 
 #: Name components that mark optimizer states for ``redivide --opt-shard``.
 OPT_WORDS = ("optimizer", "optim", "exp_avg", "exp_avg_sq", "moments", "adam_m", "adam_v")
@@ -81,7 +82,7 @@ def cmd_redivide(args: argparse.Namespace) -> int:
     elif args.preset:
         if args.opt_shard:
             args.parser.error("--opt-shard does not combine with --preset")
-        from ..frontends.hf_presets import preset_layouts
+        from ..frontends.huggingface import preset_layouts
 
         layouts = preset_layouts({n: m.shape for n, m in ckpt.arrays.items()}, args.tp, args.dp, args.preset)
     else:
@@ -122,7 +123,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------ export, demo
-EXPORT_FORMATS = ("safetensors", "npz", "torch", "mindspore", "deepspeed", "megatron")
+#: ``reshard export`` formats: npz (no framework) and those of :data:`~.frameworks.FRAMEWORKS` that export.
+EXPORT_FORMATS = ("npz", *(name for name, row in FRAMEWORKS.items() if row.run_export is not None))
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -136,7 +138,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     fmt = args.format or {".npz": "npz", ".pt": "torch", ".pth": "torch"}.get(Path(args.file).suffix, "safetensors")
     if args.prefix and fmt != "torch":
         args.parser.error("--prefix applies to --format torch only")
-    sharded = fmt == "safetensors" and (args.max_shard_size is not None or Path(args.file).is_dir())
     if args.max_shard_size is not None and fmt != "safetensors":
         args.parser.error("--max-shard-size applies to --format safetensors only")
     if (fmt == "mindspore") != bool(args.strategy):
@@ -148,57 +149,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     if fmt != "deepspeed" and (args.tp is not None or args.tp_split):
         args.parser.error("--tp and --tp-split apply to --format deepspeed only")
     t0 = time.perf_counter()
-    if fmt == "deepspeed":
-        from ..frontends.deepspeed_export import export_deepspeed
-        from .imports import tp_split_option
-
-        done = export_deepspeed(args.src, args.file, args.dp, tag=args.tag, tp=args.tp,
-                                tp_split=tp_split_option(args.parser, args.tp_split),
-                                storage_options=storage_options(args.storage_option))
-        print(f"exported a ZeRO-{done['stage']} save for {done['dp']} data-parallel x {done['tp']} model-parallel "
-              f"ranks to {done['folder']} "
-              f"({done['files']} files) in {time.perf_counter() - t0:.2f} s")
-        return 0
-    if fmt == "megatron":
-        from ..frontends.megatron_export import export_megatron
-
-        done = export_megatron(args.src, args.file, storage_options=storage_options(args.storage_option))
-        print(f"exported a Megatron-Core torch_dist save (fully_reshardable, {done['tensors']} tensors, "
-              f"{done['states']} optimizer states) to {done['folder']} in {time.perf_counter() - t0:.2f} s")
-        return 0
-    if fmt == "mindspore":
-        from ..frontends.mindspore import export_mindspore
-
-        files = export_mindspore(args.src, args.file, Path(args.strategy).read_bytes(),
-                                 format=getattr(args, "ms_format", None) or "ckpt",
-                                 storage_options=storage_options(args.storage_option))
-        print(f"exported {len(files)} rank files under {args.file} in {time.perf_counter() - t0:.2f} s")
-        return 0
-    if sharded:
-        from ..frontends.safetensors import DEFAULT_SHARD_SIZE, export_safetensors, parse_size
-
-        try:
-            size = parse_size(args.max_shard_size or DEFAULT_SHARD_SIZE)
-        except ValueError as e:
-            args.parser.error(f"--max-shard-size: {e}")
-        done = export_safetensors(open_url(args.src, args), args.file, max_shard_size=size,
-                                  overwrite=args.overwrite)
-        seconds = time.perf_counter() - t0
-        print(f"exported {human_bytes(done['total_size'])} of tensors to {args.file}: {len(done['files'])} "
-              f"safetensors file(s)" + (f" and {Path(done['index']).name}" if done["index"] else "")
-              + f" in {seconds:.2f} s")
-        return 0
-    if fmt == "torch":  # torch.save needs every tensor in memory at once
-        from ..frontends.torch import export_torch
-
-        stats = export_torch(args.src, args.file, prefix=args.prefix,
-                             storage_options=storage_options(args.storage_option))
-    else:
-        stats = open_url(args.src, args).export(args.file, format=fmt)
-    seconds = time.perf_counter() - t0
-    print(f"exported {human_bytes(stats.bytes_delivered)} of tensors to {args.file} ({fmt}) in {seconds:.2f} s "
-          f"({stats.bytes_delivered / 1e6 / max(seconds, 1e-9):.0f} MB/s)")
-    return 0
+    row = FRAMEWORKS.get(fmt)
+    if row is not None and row.run_export is not None:
+        return row.run_export(args, t0)
+    return export_file(args, fmt, t0)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -1,6 +1,6 @@
 """``CheckpointManager`` for JAX pytrees of ``jax.Array``.
 
-Ranks are device ids (as in :mod:`reshard.store.frontends.jax`): a process
+Ranks are device ids (as in :mod:`reshard.store.frontends.jax.arrays`): a process
 saves every shard of its local devices, replicas once; process 0 (the lowest
 device id) commits. ``save`` starts the device->host copies of all shards at
 once, stages them and returns; ``restore`` builds arrays on any mesh from a
@@ -16,7 +16,7 @@ from reshard.layouts import Layout, all_ranks
 from reshard.layouts.errors import CheckpointNotFoundError, LayoutError
 
 from ..format.tree import to_json
-from ..frontends import jax as rj
+from ..frontends.jax import arrays as rj
 from .manager import CheckpointManager
 
 

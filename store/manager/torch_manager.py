@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..format.tree import to_json
-from ..frontends import torch as rt
+from ..frontends.torch import dtensor as rt
 from .index import step_dir
 from .manager import CheckpointManager
 

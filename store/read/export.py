@@ -61,7 +61,7 @@ NPZ_AS_BITS = {"bfloat16": "<u2", "float8_e4m3fn": "|u1", "float8_e5m2": "|u1"}
 #: Member holding the npz note when it is too long for the zip comment.
 NPZ_NOTE = "reshard.json"
 #: Leaves of an imported Hugging Face folder: its files' ``__metadata__``, and the files kept beside the
-#: weights (:mod:`reshard.store.frontends.hf_folder`). safetensors exports write them back as such.
+#: weights (:mod:`reshard.store.frontends.huggingface.folder`). safetensors exports write them back as such.
 METADATA_LEAF = "__metadata__"
 FILES_LEAF = "__files__"
 

@@ -16,12 +16,12 @@ handle both forms:
 * :func:`import_safetensors`: a ``.safetensors`` file, an index file, or a
   folder holding either -> a checkpoint (each tensor whole on rank 0 unless
   ``layouts`` says otherwise).
-* :func:`export_safetensors` (in :mod:`.hf_export`): a checkpoint -> a folder with
+* :func:`export_safetensors` (in :mod:`.write`): a checkpoint -> a folder with
   ``model.safetensors`` (everything fits in ``max_shard_size``) or the numbered shards
   and their index.
 
 A folder's other files (``config.json``, tokenizer files...) travel with the
-checkpoint (:mod:`.hf_folder`). Files that torch's ``HuggingFaceStorageWriter``
+checkpoint (:mod:`.folder`). Files that torch's ``HuggingFaceStorageWriter``
 wrote per rank (``DCP_SHARDING_INFO`` in ``__metadata__``: each tensor's offsets
 in the whole) are imported as the pieces they are: a folder of them gives
 whole tensors; one such file alone is refused.
@@ -42,15 +42,14 @@ import numpy as np
 from reshard.layouts import Layout
 from reshard.layouts.errors import CheckpointNotFoundError, DTypeMismatchError, FormatError
 
-from ..format.dtypes import numpy_dtype
-from ..format.tree import LayoutSpec, resolve_layout
-from ..read.checkpoint import Checkpoint
-from ..read.export import FILES_LEAF, METADATA_LEAF, SAFETENSORS_DTYPES
-from ..read.open import open as open_checkpoint
-from ..write.writer import create, single_process
-from .hf_export import DEFAULT_SHARD_SIZE, export_safetensors, parse_size, plan_shards
-from .hf_folder import INDEX_NAME, collect_files
-from .sources import refuse_empty
+from ...format.dtypes import numpy_dtype
+from ...format.tree import LayoutSpec, resolve_layout
+from ...read.checkpoint import Checkpoint
+from ...read.export import FILES_LEAF, METADATA_LEAF, SAFETENSORS_DTYPES
+from ...read.open import open as open_checkpoint
+from ...write.writer import create, single_process
+from ..sources import refuse_empty
+from .folder import INDEX_NAME, collect_files
 
 if TYPE_CHECKING:
     pass
@@ -281,7 +280,7 @@ def import_safetensors(src: str | os.PathLike[str], dst_url: str, *, layouts: La
               if len(ps) > 1 else resolve_layout(rule, n, shapes[n]) for n, ps in pieces.items()}
     writer = create(dst_url, chosen, **single_process(options))
     metas = {n: writer.meta(n, chosen[n], ps[0].entry.dtype, single_writer=True) for n, ps in pieces.items()}
-    from ..read.graph.schedule import progress_bar
+    from ...read.graph.schedule import progress_bar
 
     offsets = {(p.header.path, p.entry.name): p.offsets for ps in pieces.values() for p in ps}
     with progress_bar(sum(m.nbytes for m in metas.values()), "import safetensors", progress, unit="B") as bar:
@@ -382,7 +381,5 @@ def _leaves(headers: list[Header]) -> tuple[dict[str, Any], dict[str, str]]:
     return leaves, extra
 
 
-# export_safetensors and its helpers live in .hf_export; importable from here as before
-__all__ = ["DCP_SHARDING_KEY", "DEFAULT_SHARD_SIZE", "DTYPES", "FILES_LEAF", "INDEX_NAME", "METADATA_LEAF", "Entry",
-           "Header", "Piece", "export_safetensors", "import_safetensors", "parse_size", "plan_shards", "read_header",
-           "read_tensor", "source_files"]
+__all__ = ["DCP_SHARDING_KEY", "DTYPES", "FILES_LEAF", "INDEX_NAME", "METADATA_LEAF", "Entry", "Header", "Piece",
+           "import_safetensors", "read_header", "read_tensor", "source_files"]

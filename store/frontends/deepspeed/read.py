@@ -19,12 +19,12 @@ DeepSpeed's own cut, see :mod:`reshard.layouts.flatbuf`) and writes
   the model states' plain entries).
 
 The ``.pt`` files are read with torch's restricted unpickler
-(:func:`reshard.store.frontends.pt_files.load_pt`): DeepSpeed's classes become
+(:func:`reshard.store.frontends.torch.pt_files.load_pt`): DeepSpeed's classes become
 inert stand-ins, nothing of theirs runs. With bf16 training the optimizer files
 are ``bf16_zero_pp_rank_*`` (ZeRO-1, DeepSpeed's ``BF16_Optimizer`` or its ZeRO
 optimizer: the same partition rule); the prefix is kept for the export. With
 model-parallel ranks (``mp_rank_01``...) each rank's partitions give its TP
-slices, joined into whole tensors by :mod:`.deepspeed_tp` (how each parameter is
+slices, joined into whole tensors by :mod:`.tp` (how each parameter is
 split: ``tp_split``, else the save's ``universal_checkpoint_info``).
 """
 
@@ -40,11 +40,11 @@ import numpy as np
 from reshard.layouts import FlatBuffer, FlatLayout, Layout
 from reshard.layouts.errors import CheckpointNotFoundError, FormatError, UnsupportedError
 
-from ..format.torch_arrays import to_numpy
-from ..write.writer import create, single_process
-from .deepspeed_tp import Rules, block_layout, full_shape, join, tp_layout
-from .pt_files import Stub, load_pt
-from .sources import local_path, refuse_empty
+from ...format.torch_arrays import to_numpy
+from ...write.writer import create, single_process
+from ..sources import local_path, refuse_empty
+from ..torch.pt_files import Stub, load_pt, plain
+from .tp import Rules, block_layout, full_shape, join, tp_layout
 
 OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
@@ -66,28 +66,6 @@ def _listdir(path: str) -> list[str]:
         return sorted(os.listdir(path))
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{path}: no such folder") from None
-
-
-def _plain(value: Any) -> Any:
-    """A pickled value as JSON-able data: 0-d tensors become numbers, stand-ins their fields; larger tensors
-    are refused (TypeError)."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        if value.ndim == 0:
-            return value.item()
-        raise TypeError(f"a tensor of shape {list(value.shape)}")
-    if isinstance(value, Stub):
-        return {"stub": value.qualname, "args": _plain(list(value.args)), "state": _plain(value.state)}
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, (set, frozenset)):
-        return sorted(_plain(v) for v in value)
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    raise TypeError(f"a {type(value).__name__}")
 
 
 def _stage(osd: Mapping[str, Any], where: str, bf16: bool = False) -> int:
@@ -261,7 +239,7 @@ def import_deepspeed(src: str, dst: str, *, tag: str | None = None, tp_split: Ma
     tp_split : mapping, optional
         With model-parallel ranks (``mp_rank_01``...): ``{pattern: rule}``, how the parameters whose names
         match ``pattern`` (:func:`re.match`, the first that matches wins) are split over the TP ranks: a
-        dim, ``"replicated"`` or ``"average"`` (see :mod:`.deepspeed_tp`); before the save's own
+        dim, ``"replicated"`` or ``"average"`` (see :mod:`.tp`); before the save's own
         ``universal_checkpoint_info``.
     **options
         As for :func:`reshard.store.create`.
@@ -293,7 +271,7 @@ def import_deepspeed(src: str, dst: str, *, tag: str | None = None, tp_split: Ma
     for g, named in enumerate(ds.shapes):
         state0, hyper = bases[0][0][0][g], bases[0][0][1]
         keys = sorted(k for k, v in state0.items() if getattr(v, "ndim", 0) == 1)
-        step = {k: _plain(v) for k, v in state0.items() if k not in keys}
+        step = {k: plain(v) for k, v in state0.items() if k not in keys}
         shapes = []
         for t, (name, local) in enumerate(named):
             slices = [p.shapes[g][t][1] for p in parts]
@@ -318,7 +296,7 @@ def import_deepspeed(src: str, dst: str, *, tag: str | None = None, tp_split: Ma
         hyper_g = hyper[g] if g < len(hyper) else {}
         entry = {"names": [n for n, _ in named], "shapes": [list(s) for s in shapes],
                  "paddings": [int(x) for x in recorded[0][g]] if recorded[0] else [0] * len(named),
-                 "states": keys, "scalars": step, "hyper": _plain({k: v for k, v in hyper_g.items() if k != "params"})}
+                 "states": keys, "scalars": step, "hyper": plain({k: v for k, v in hyper_g.items() if k != "params"})}
         if tp > 1:
             entry["tp_shapes"] = [[list(s) for _, s in p.shapes[g]] for p in parts]
             entry["tp_paddings"] = [[int(x) for x in r[g]] if r else [0] * len(named) for r in recorded]
@@ -382,13 +360,13 @@ def _plain_info(info: Any) -> Any:
     if info is None:
         return None
     try:
-        return _plain(info)
+        return plain(info)
     except TypeError as e:
         raise FormatError(f"the model states' universal_checkpoint_info holds {e}, not plain data") from None
 
 
 def _dtype(arr: np.ndarray) -> str:
-    from ..format.dtypes import dtype_name
+    from ...format.dtypes import dtype_name
 
     return dtype_name(arr.dtype)
 
@@ -417,7 +395,7 @@ def _leaves(ds: DeepSpeedFiles, groups: list[dict[str, Any]]) -> tuple[dict[str,
         if key in ("module", "optimizer", "param_shapes"):
             continue
         try:
-            model[key] = _plain(value)
+            model[key] = plain(value)
         except TypeError:
             skipped.append(key)
     osd = ds.osd[0]
@@ -425,11 +403,11 @@ def _leaves(ds: DeepSpeedFiles, groups: list[dict[str, Any]]) -> tuple[dict[str,
     for key in ("dynamic_loss_scale", "overflow", "clip_grad", "ds_version", "loss_scaler"):
         if key in osd:
             try:
-                optim[key] = _plain(osd[key])
+                optim[key] = plain(osd[key])
             except TypeError:
                 skipped.append(f"optimizer_state_dict.{key}")
     info = {"stage": ds.stage, "dp": ds.dp, "file_prefix": ds.prefix, "groups": groups, "model_states": model,
             "optimizer": optim,
-            "ds_config": _plain(ds.optim[0].get("ds_config")) if "ds_config" in ds.optim[0] else None,
-            "ds_version": _plain(ds.optim[0].get("ds_version"))}
+            "ds_config": plain(ds.optim[0].get("ds_config")) if "ds_config" in ds.optim[0] else None,
+            "ds_version": plain(ds.optim[0].get("ds_version"))}
     return {"deepspeed": info}, skipped

@@ -1,18 +1,18 @@
 """Writing a DeepSpeed ZeRO save back, for any data- and model-parallel size (``reshard export deepspeed``).
 
 :func:`export_deepspeed` takes a checkpoint imported by
-:func:`reshard.store.frontends.deepspeed.import_deepspeed` (its ``deepspeed``
+:func:`reshard.store.frontends.deepspeed.read.import_deepspeed` (its ``deepspeed``
 leaf says the groups, names, shapes, paddings and the model states' plain
 entries; the tensors may since have been redivided to any layouts) and writes
 ``dst/<tag>``: DeepSpeed's partition of every group over ``dp`` ranks
-(:func:`reshard.store.frontends.deepspeed.group_buffer`), each rank's fp32
+(:func:`reshard.store.frontends.deepspeed.read.group_buffer`), each rank's fp32
 partition and optimizer state read straight from the checkpoint with flat
 target layouts (:meth:`reshard.store.Checkpoint.load`), one
 ``zero_pp_rank_<r>_mp_rank_<m>_optim_states.pt`` per rank, the model states and
 ``latest``. ``engine.load_checkpoint(dst)`` on ``dp`` (x ``tp``) ranks then resumes.
 With ``tp`` model-parallel ranks (:class:`TPPlan`), rank ``m``'s files hold
 DeepSpeed's partition of its TP slices (the slices the import recorded, or even
-cuts by the recorded or given rules, :mod:`.deepspeed_tp`), read from the whole
+cuts by the recorded or given rules, :mod:`.tp`), read from the whole
 tensors under layouts over those slices (:func:`deepspeed_layouts`).
 
 Written with ``torch.save``: tensors, plain containers, and the few DeepSpeed
@@ -38,13 +38,13 @@ import numpy as np
 from reshard.layouts import FlatBuffer, FlatLayout
 from reshard.layouts.errors import FormatError, UnsupportedError
 
-from ..format.torch_arrays import from_numpy
-from ..format.tree import unflatten
-from ..read.checkpoint import Checkpoint
-from ..read.open import open as open_checkpoint
-from .deepspeed import group_buffer
-from .deepspeed_tp import Rules, offsets, split_shapes, tp_layout
-from .sources import local_path
+from ...format.torch_arrays import from_numpy
+from ...format.tree import unflatten
+from ...read.checkpoint import Checkpoint
+from ...read.open import open as open_checkpoint
+from ..sources import local_path
+from .read import group_buffer
+from .tp import Rules, offsets, split_shapes, tp_layout
 
 
 def export_deepspeed(src: str | Checkpoint, dst: str, dp: int, *, tag: str = "reshard", tp: int | None = None,
@@ -55,7 +55,7 @@ def export_deepspeed(src: str | Checkpoint, dst: str, dp: int, *, tag: str = "re
     Parameters
     ----------
     src : str or Checkpoint
-        A checkpoint :func:`~reshard.store.frontends.deepspeed.import_deepspeed` wrote (or a redivision of one).
+        A checkpoint :func:`~reshard.store.frontends.deepspeed.read.import_deepspeed` wrote (or a redivision of one).
     dst : str
         A local folder; the save goes to ``dst/tag`` and ``dst/latest`` names it.
     dp : int

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import pickle  # only for its error type: the unpickler is torch's restricted one
+from collections.abc import Mapping
 from typing import Any
 
 from reshard.layouts.errors import FormatError
@@ -89,3 +90,25 @@ def load_pt(path: str, prefixes: tuple[str, ...] = ("deepspeed.",)) -> Any:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except (RuntimeError, ValueError, TypeError, EOFError, AttributeError, pickle.UnpicklingError) as e:
         raise FormatError(f"{path}: cannot decode it with the restricted unpickler: {e}") from None
+
+
+def plain(value: Any) -> Any:
+    """A pickled value as JSON-able data: 0-d tensors become numbers, stand-ins their fields; larger tensors
+    are refused (TypeError)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        if value.ndim == 0:
+            return value.item()
+        raise TypeError(f"a tensor of shape {list(value.shape)}")
+    if isinstance(value, Stub):
+        return {"stub": value.qualname, "args": plain(list(value.args)), "state": plain(value.state)}
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted(plain(v) for v in value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"a {type(value).__name__}")

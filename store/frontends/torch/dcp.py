@@ -5,7 +5,7 @@ restricted unpickler (only DCP's metadata classes resolve, see
 :func:`read_dcp_metadata`) and its saved items with
 ``torch.load(weights_only=True)``. :func:`import_dcp` streams one saved chunk
 at a time. torch is imported inside the functions, never when this module
-loads. Also importable from :mod:`reshard.store.frontends.torch`.
+loads. Also importable from :mod:`reshard.store.frontends.torch.dtensor`.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from typing import Any
 from reshard.layouts import Layout
 from reshard.layouts.errors import CheckpointNotFoundError, FormatError
 
-from ..format.tree import to_json
-from ..io.storage import Storage
-from ..write.writer import create, single_process
-from .sources import local_path, refuse_empty
+from ...format.tree import to_json
+from ...io.storage import Storage
+from ...write.writer import create, single_process
+from ..sources import local_path, refuse_empty
 
 #: The globals a DCP ``.metadata`` pickle may name, besides torch dtypes and layouts.
 _DCP_GLOBALS = frozenset(
@@ -148,7 +148,7 @@ def import_dcp(src: str, dst: str, *, src_storage_options: dict[str, Any] | None
         ``{"tensors": n, "leaves": n, "bytes": n, "skipped": [names]}``:
         ``skipped`` names non-tensor items that are not JSON (warned about).
     """
-    from ..format.torch_arrays import to_numpy
+    from ...format.torch_arrays import to_numpy
 
     src_store = Storage(local_path(src), src_storage_options)
     try:

@@ -1,7 +1,7 @@
 """Writing a Megatron-Core ``torch_dist`` save back, in the ``fully_reshardable`` form (``reshard export megatron``).
 
 :func:`export_megatron` takes a checkpoint imported by
-:func:`reshard.store.frontends.megatron.import_megatron` (any of its forms; the
+:func:`reshard.store.frontends.megatron.read.import_megatron` (any of its forms; the
 tensors may since have been redivided to any layouts) and writes a
 ``dist_checkpointing`` folder that Megatron-Core loads at any tensor- or
 data-parallel size with ``metadata={"distrib_optim_sharding_type":
@@ -29,10 +29,10 @@ from typing import Any
 
 from reshard.layouts.errors import FormatError
 
-from ..format.torch_arrays import from_numpy
-from ..read.checkpoint import Checkpoint
-from ..read.open import open as open_checkpoint
-from .sources import local_path
+from ...format.torch_arrays import from_numpy
+from ...read.checkpoint import Checkpoint
+from ...read.open import open as open_checkpoint
+from ..sources import local_path
 
 STATE = re.compile(r"optimizer\.state\.(fp32_param|param|exp_avg|exp_avg_sq)\.(.+)")
 OBJECT = re.compile(r".+/shard_[0-9_.]+")
@@ -48,7 +48,7 @@ def export_megatron(src: str | Checkpoint, dst: str, *, storage_options: dict[st
     Parameters
     ----------
     src : str or Checkpoint
-        A checkpoint :func:`~reshard.store.frontends.megatron.import_megatron` wrote (or a redivision of one).
+        A checkpoint :func:`~reshard.store.frontends.megatron.read.import_megatron` wrote (or a redivision of one).
     dst : str
         A local folder, new or empty.
 

@@ -20,7 +20,7 @@ from reshard.layouts import OPTIMIZER_PREFIXES, Layout, parse_strategy
 from reshard.layouts import _protowire as pw
 from reshard.layouts.errors import CheckpointNotFoundError, FormatError
 
-from .mindspore_ckpt import SUFFIXES, Header
+from .ckpt import SUFFIXES, Header
 
 # ------------------------------------------------------------ strategies
 StrategyLike = str | os.PathLike[str] | bytes | Mapping[str, Any] | None

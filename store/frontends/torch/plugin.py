@@ -14,8 +14,8 @@ per tensor (one block per saved chunk), every rank writes its own chunks, and
 the coordinator writes the manifests and commits in ``finish``. Non-tensor
 items must be JSON values or bytes-like (``bytes``, ``bytearray``,
 ``io.BytesIO``, kept as tagged base64); lists DCP split per element
-(``param_groups``) are joined back, so ``rs.open`` and :func:`reshard.store.frontends.torch.load`
-see what :func:`~reshard.store.frontends.torch.save` would have written.
+(``param_groups``) are joined back, so ``rs.open`` and :func:`reshard.store.frontends.torch.dtensor.load`
+see what :func:`~reshard.store.frontends.torch.dtensor.save` would have written.
 
 The reader presents any reshard checkpoint (written by this plugin, by
 ``save``, by an importer, by another framework) to DCP as one chunk per
@@ -23,7 +23,7 @@ tensor; DCP's planner then asks each rank for the regions its own state dict
 needs, and only the inner chunks meeting them are read. JSON leaves are
 split the way DCP flattens state dicts.
 
-This module imports torch when it loads; :mod:`.torch` imports it on first
+This module imports torch when it loads; :mod:`reshard.store.frontends.torch` imports it on first
 use of ``StorageWriter``/``StorageReader``.
 """
 
@@ -54,12 +54,12 @@ from torch.distributed.checkpoint.storage import StorageWriter as _Writer
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ..commit.marker import read_marker
-from ..format.torch_arrays import from_numpy, to_numpy
-from ..format.tree import to_json
-from ..io.storage import Storage
-from ..read.open import open
-from ..write.writer import create
+from ...commit.marker import read_marker
+from ...format.torch_arrays import from_numpy, to_numpy
+from ...format.tree import to_json
+from ...io.storage import Storage
+from ...read.open import open
+from ...write.writer import create
 from .dcp import _regroup
 
 __all__ = ["StorageReader", "StorageWriter"]
@@ -218,7 +218,7 @@ def _object(planner: SavePlanner, item: Any) -> Any:
 
 
 def _dtype_name(array: np.ndarray) -> str:
-    from ..format.dtypes import dtype_name
+    from ...format.dtypes import dtype_name
 
     return dtype_name(array.dtype)
 

@@ -3,7 +3,7 @@
 :func:`read_once` runs on every rank of a group. The ranks first share, in one
 ``all_gather_object``, which box of which tensor each needs (and any error
 met so far, and which save each opened); then each computes the same plan
-(:func:`reshard.store.frontends.readplan.plan`: who reads which stored part,
+(:func:`reshard.store.frontends.torch.readplan.plan`: who reads which stored part,
 balanced over the ranks) and the plan runs in rounds. In a round every rank
 reads its units through the checkpoint's one I/O path
 (:meth:`reshard.store.read.checkpoint.Checkpoint.read_regions`, all of the
@@ -34,13 +34,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..format.torch_arrays import from_numpy, to_numpy
-from ..io.stats import IOStats
+from ...format.torch_arrays import from_numpy, to_numpy
+from ...io.stats import IOStats
 from . import readplan
 from .readplan import Box, Plan, slices, volume, within
 
 if TYPE_CHECKING:
-    from ..read.checkpoint import Checkpoint
+    from ...read.checkpoint import Checkpoint
 
 #: Every part in an exchange buffer starts at a multiple of this (a header is this long).
 ALIGN = 64

@@ -5,7 +5,7 @@ runs code). In the OneFlow job, :func:`save_npz` writes a rank's local state
 dict as ``tensors.npz`` (keys are the key paths joined by ``/``, so a module's
 dotted keys stay whole) plus ``leaves.json``; :func:`load_npz` reads it back
 with ``allow_pickle=False``. :func:`walk` is the state-dict traversal both
-this module and :mod:`reshard.store.frontends.oneflow` use.
+this module and :mod:`reshard.store.frontends.oneflow.placement` use.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from reshard.layouts.errors import BadNameError, CheckpointNotFoundError
 
-from ..format.tree import is_tensor
+from ...format.tree import is_tensor
 
 KeyPath = tuple[str, ...]
 

@@ -1,4 +1,4 @@
-"""PyTorch front end: DTensor state dicts in and out, DCP import, ``torch.save`` export.
+"""DTensor state dicts in and out, and the ``torch.save`` export.
 
 Call :func:`save` and :func:`load` on every rank of a ``torch.distributed`` job
 (or in one process without a process group). Values may be DTensors (any mesh,
@@ -8,10 +8,6 @@ into DTensors of another mesh reads only each rank's own region, straight into
 its local tensor. For optimizer state use the FQN-keyed dicts of
 ``torch.distributed.checkpoint.state_dict.get_state_dict`` (see docs/torch.md).
 
-DCP import (:func:`import_dcp`, :func:`read_dcp_metadata`) lives in
-:mod:`reshard.store.frontends.dcp` and is importable from here too; the DCP
-storage plugin (``StorageWriter``, ``StorageReader`` for ``dcp.save``/
-``dcp.load``) in :mod:`reshard.store.frontends.torch_dcp`, loaded on first use.
 torch is imported inside the functions, never when ``reshard.store`` loads.
 """
 
@@ -26,25 +22,13 @@ import numpy as np
 from reshard.layouts import Layout
 from reshard.layouts.errors import ShapeMismatchError, TensorNotFoundError
 
-from ..format.torch_arrays import from_numpy, to_numpy
-from ..format.tree import to_json
-from ..io.localfs import is_local_url
-from ..io.stats import IOStats
-from ..read.open import open
-from ..write.writer import create
-from .dcp import import_dcp, read_dcp_metadata
+from ...format.torch_arrays import from_numpy, to_numpy
+from ...format.tree import to_json
+from ...io.localfs import is_local_url
+from ...io.stats import IOStats
+from ...read.open import open
+from ...write.writer import create
 
-# (also StorageWriter and StorageReader, through __getattr__: they import torch)
-__all__ = ["export_torch", "from_numpy", "import_dcp", "layout_of", "load", "read_dcp_metadata", "save", "to_numpy"]
-
-
-def __getattr__(name: str) -> Any:
-    """``StorageWriter``/``StorageReader`` (the DCP plugin) import torch, so they load on first use."""
-    if name in ("StorageWriter", "StorageReader"):
-        from .torch_dcp import StorageReader, StorageWriter
-
-        return StorageReader if name == "StorageReader" else StorageWriter
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 def _is_tensor(value: Any) -> bool:
     import torch
@@ -310,7 +294,7 @@ def load(state_dict: Mapping[str, Any], url: str, *, strict: bool = True, proces
     reading balanced over the ranks) and handed to the others with
     ``all_to_all_single`` (gloo on CPU; with NCCL into device memory), in
     rounds of at most 256 MiB staged, sent and received per rank; a rank that
-    fails makes every rank raise (see :mod:`reshard.store.frontends.exchange`).
+    fails makes every rank raise (see :mod:`reshard.store.frontends.torch.exchange`).
 
     Parameters
     ----------

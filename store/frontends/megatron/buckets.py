@@ -46,8 +46,8 @@ from reshard.layouts import FlatLayout
 from reshard.layouts.errors import FormatError
 from reshard.layouts.megatron_buckets import BucketPiece, bucket_pieces, chunk_bounds, param_start
 
-from ..io.storage import Storage
-from .dcp import _dcp_item
+from ...io.storage import Storage
+from ..torch.dcp import _dcp_item
 
 BUCKET_KEY = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)"
                         r"\.([A-Za-z_][A-Za-z0-9_]*)")
@@ -261,7 +261,7 @@ def _size(item: Any, fqn: str) -> int:
 
 
 def _read(store: Storage, where: dict[Any, Any], fqn: str, off: int, n: int) -> np.ndarray:
-    from ..format.torch_arrays import to_numpy
+    from ...format.torch_arrays import to_numpy
 
     info = where.get((fqn, (off,)))
     if info is None:

@@ -1,73 +1,34 @@
-"""MindSpore front end: per-rank ``.ckpt`` files and a strategy file <-> a reshard checkpoint.
-
-MindSpore itself is never imported. Its two file formats are read and written
-with reshard's small protobuf wire codec:
-
-* ``checkpoint.proto`` ``.ckpt`` files (crc trailer, >512 MiB split values):
-  :mod:`reshard.store.frontends.mindspore_ckpt`, whose names are re-exported
-  here (:func:`read_ckpt`, :func:`write_ckpt`, :func:`parse_ckpt`,
-  :func:`ckpt_headers`).
-* per-rank safetensors files (MindSpore >= 2.4, ``format="safetensors"``):
-  the same module, by suffix (:func:`read_file`, :func:`file_headers`).
-* the strategy file (``node_strategy.proto`` or its JSON form, pipeline-merged
-  or not): parsed by :func:`reshard.layouts.parse_strategy`; finding the files:
-  :mod:`reshard.store.frontends.mindspore_files`.
-
-:func:`import_mindspore` turns ``rank_N/*.ckpt`` (or ``*.safetensors``) plus the
-training strategy into one checkpoint (N -> zarr, one rank file mapped at a
-time, each block read once from whichever replica's file holds it);
-:func:`export_mindspore` writes ``rank_M/checkpoint_M.ckpt`` (or ``.safetensors``)
-for any target strategy (what ``transform_checkpoints`` does, for any N -> M,
-64 -> 56 included), each rank reading only its own region.
-
-Optimizer state: a tensor named ``<prefix><param>`` (``moments.``, ``adam_m.``,
-``adam_v.``, ... see :data:`OPTIMIZER_PREFIXES`) that the strategy does not
-name itself uses ``<param>``'s entry, optimizer sharding included
-(``opt_weight_shard_size``; the shard step is implied by the layout);
-``accu_grads.<param>`` uses it without the optimizer sharding (docs/mindspore.md,
-"Optimizer state"). Tensors the strategy does not cover are whole copies on the
-ranks whose files hold them.
-"""
+"""MindSpore import: per-rank ``.ckpt`` / ``.safetensors`` files and a strategy -> a reshard checkpoint."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from reshard.layouts import OPTIMIZER_PREFIXES, Layout, layout_for, parse_strategy, strategy_layouts
+from reshard.layouts import OPTIMIZER_PREFIXES, Layout, layout_for, parse_strategy
 from reshard.layouts.errors import (
     DTypeMismatchError,
     FormatError,
-    LayoutError,
     ShapeMismatchError,
 )
 
-from ..format.dtypes import numpy_dtype
-from ..format.tree import flatten
-from ..read.checkpoint import Checkpoint
-from ..read.open import open
-from ..write.writer import create, single_process
-from .mindspore_ckpt import (
-    SLICE_BYTES,
-    TYPES,
+from ...format.dtypes import numpy_dtype
+from ...read.checkpoint import Checkpoint
+from ...read.open import open
+from ...write.writer import create, single_process
+from ..sources import refuse_empty
+from .ckpt import (
     Header,
-    ckpt_headers,
     file_headers,
-    parse_ckpt,
-    read_ckpt,
     read_file,
-    write_ckpt,
-    write_file,
 )
-from .mindspore_files import StrategyLike, infer_shapes, latest_file, load_strategy, rank_files
-from .sources import refuse_empty
+from .files import StrategyLike, infer_shapes, load_strategy, rank_files
 
 
-# ------------------------------------------------------------ import
 def _replicated(holders: Mapping[int, Header], name: str) -> Layout:
     shapes = {h[0] for h in holders.values()}
     if len(shapes) != 1:
@@ -230,94 +191,3 @@ def _import_rank(writer: Any, rank: int, files: Mapping[int, Path], header: Mapp
         else:
             state[name] = _placeholder(lay.local_shape(rank), dtypes[name])
     writer.write(rank, state)
-
-
-# ------------------------------------------------------------ export
-def export_mindspore(src_url: str | Checkpoint, dst_dir: str | os.PathLike[str], strategy: StrategyLike = None,
-                     *, ranks: Iterable[int] | None = None, shapes: Mapping[str, Sequence[int]] | None = None,
-                     file_name: str | None = None, format: str = "ckpt", crc: bool = False,
-                     prefixes: Sequence[str] = OPTIMIZER_PREFIXES,
-                     storage_options: dict[str, Any] | None = None) -> dict[int, Path]:
-    """Write ``dst_dir/rank_M/checkpoint_M.ckpt`` for a target strategy, from a reshard checkpoint.
-
-    Parameters
-    ----------
-    src_url : str or Checkpoint
-        The checkpoint to divide.
-    dst_dir : path
-        Output folder (``rank_M`` folders are created).
-    strategy : path, bytes, dict, {name: Layout} or None
-        The target strategy. Tensors it does not cover (directly or through
-        their parameter, see :func:`layout_for`) go whole into every target
-        rank's file. None: integration, one file with every tensor whole.
-    ranks : iterable of int, optional
-        Write only these ranks' files (default: every rank of the strategy).
-    shapes : mapping, optional
-        Global shapes for a protobuf strategy (default: the checkpoint's).
-    file_name : str, optional
-        File name in each folder; ``{rank}`` is replaced by the rank (default
-        ``checkpoint_{rank}.ckpt``, or ``.safetensors``).
-    format : {"ckpt", "safetensors"}
-        ``.ckpt`` files (``checkpoint.proto``), or safetensors files as
-        MindSpore >= 2.4 writes them (``{"format": "ms"}`` metadata; ``str``
-        leaves go into the metadata).
-    crc : bool
-        Append MindSpore's ``crc_num`` trailer (``.ckpt`` only).
-    prefixes : sequence of str
-        Optimizer-state prefixes.
-    storage_options : dict, optional
-        fsspec options for ``src_url``.
-
-    Returns
-    -------
-    dict of int to Path
-        The file written for each rank.
-
-    Notes
-    -----
-    Each rank reads only its own region of each tensor (one rank's pieces in
-    memory at a time). Non-tensor leaves become 0-d tensors (int -> Int64,
-    float -> Float32, bool -> Bool) or ``str`` values; others are skipped.
-    """
-    if format not in ("ckpt", "safetensors"):
-        raise ValueError(f"format {format!r} must be 'ckpt' or 'safetensors'")
-    file_name = file_name or f"checkpoint_{{rank}}.{format}"
-    ckpt = src_url if isinstance(src_url, Checkpoint) else open(src_url, storage_options=storage_options)
-    given = dict(shapes or {})
-    given.update({n: m.shape for n, m in ckpt.arrays.items() if n not in given})
-    strat = load_strategy(strategy, given)
-    all_ranks = sorted(set().union(*(lay.ranks for lay in strat.values()))) if strat else [0]
-    mapped = strategy_layouts(strat, {n: m.shape for n, m in ckpt.arrays.items()}, prefixes)
-    targets = {name: mapped.get(name) or Layout(meta.shape, (len(all_ranks),), tuple(all_ranks))
-               for name, meta in ckpt.arrays.items()}
-    leaves = {n: _leaf(v) for n, v in ckpt.leaves.items()}
-    written = {}
-    for rank in sorted(ranks) if ranks is not None else all_ranks:
-        if rank not in all_ranks:
-            raise LayoutError(f"rank {rank} is not in the target strategy's ranks {all_ranks[0]}..{all_ranks[-1]}")
-        tensors, _ = flatten(ckpt.load(targets, rank, names=[n for n, t in targets.items() if rank in t.ranks]),
-                             ckpt.arrays)
-        values = {**tensors, **{n: v for n, v in leaves.items() if v is not None}}
-        path = Path(dst_dir) / f"rank_{rank}" / file_name.replace("{rank}", str(rank))
-        if format == "safetensors":
-            path = path.with_suffix(".safetensors") if path.suffix == ".ckpt" else path
-        write_file(path, values, crc=crc)
-        written[rank] = path
-    return written
-
-
-def _leaf(value: Any) -> Any:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, bool):
-        return np.array(value)
-    if isinstance(value, int):
-        return np.array(value, np.int64)
-    if isinstance(value, float):
-        return np.array(value, np.float32)
-    return None
-
-
-__all__ = ["OPTIMIZER_PREFIXES", "SLICE_BYTES", "TYPES", "Header", "StrategyLike", "ckpt_headers",
-           "export_mindspore", "file_headers", "import_mindspore", "latest_file", "layout_for", "load_strategy",
-           "parse_ckpt", "rank_files", "read_ckpt", "read_file", "write_ckpt", "write_file"]

@@ -4,7 +4,7 @@ A ``torch_dist`` save is a torch DCP folder (``.metadata``, ``__<rank>_<n>.distc
 plus ``metadata.json`` (``{"sharded_backend": "torch_dist", ...}``) and
 ``common.pt`` (the state every rank shares). Its tensors are Megatron
 ``ShardedTensor`` s: regular ones are stored as DCP chunks in their own shape
-(tensor-parallel blocks: an explicit layout, as :func:`reshard.store.frontends.dcp.import_dcp`
+(tensor-parallel blocks: an explicit layout, as :func:`reshard.store.frontends.torch.dcp.import_dcp`
 gives), and the distributed optimizer's state in its ``fully_sharded_model_space``
 form holds, per data-parallel rank, a ``flattened_range`` of every
 tensor-parallel local block. Megatron stores such a tensor of global shape
@@ -18,9 +18,9 @@ shape under a :class:`~reshard.layouts.FlatLayout`: chunk ``i`` (offsets
 rank of another data-parallel or tensor-parallel size then reads only what it
 needs, and reading a tensor whole integrates it.
 
-The ``dp_reshardable`` form (flat buckets, :mod:`.megatron_buckets`) becomes
+The ``dp_reshardable`` form (flat buckets, :mod:`.buckets`) becomes
 each parameter's state in its own shape too; the ``fully_reshardable`` form is
-regular tensors. :mod:`.megatron_export` writes an import back.
+regular tensors. :mod:`.write` writes an import back.
 
 ``.metadata`` is read with the DCP import's restricted unpickler, Megatron's
 own classes (its save plan) becoming inert stand-ins; items and ``common.pt``
@@ -40,13 +40,13 @@ import numpy as np
 from reshard.layouts import FlatLayout, Layout
 from reshard.layouts.errors import CheckpointNotFoundError, FormatError, UnsupportedError
 
-from ..format.tree import to_json
-from ..io.storage import Storage
-from ..write.writer import create, single_process
-from .dcp import _dcp_item, _DCPMetadataUnpickler, _regroup
-from .megatron_buckets import BUCKET_OBJECTS, is_bucket_key, place_buckets
-from .pt_files import load_pt, stub_class
-from .sources import local_path, refuse_empty
+from ...format.tree import to_json
+from ...io.storage import Storage
+from ...write.writer import create, single_process
+from ..sources import local_path, refuse_empty
+from ..torch.dcp import _dcp_item, _DCPMetadataUnpickler, _regroup
+from ..torch.pt_files import load_pt, plain, stub_class
+from .buckets import BUCKET_OBJECTS, is_bucket_key, place_buckets
 
 
 class _MegatronMetadataUnpickler(_DCPMetadataUnpickler):
@@ -116,7 +116,7 @@ def import_megatron(src: str, dst: str, **options: Any) -> dict[str, Any]:
     dict
         ``{"tensors", "flat", "leaves", "bytes", "skipped"}``.
     """
-    from ..format.torch_arrays import to_numpy
+    from ...format.torch_arrays import to_numpy
 
     folder = local_path(src)
     store = Storage(folder)
@@ -167,7 +167,7 @@ def import_megatron(src: str, dst: str, **options: Any) -> dict[str, Any]:
         common = load_pt(os.path.join(folder, "common.pt"), prefixes=("megatron.", "argparse."))
         for key, value in (common.items() if isinstance(common, dict) else ()):
             try:
-                leaves[f"common.{key}"] = to_json(_plain(value), key)
+                leaves[f"common.{key}"] = to_json(plain(value), key)
             except TypeError:
                 skipped.append(f"common.{key}")
     refuse_empty("Megatron torch_dist", folder, len(layouts), f" (found {len(items)} other items)")
@@ -222,9 +222,3 @@ def _chunk(store: Storage, where: dict[Any, Any], fqn: str, offsets: tuple[int, 
         raise FormatError(f"{store.url}: chunk {list(offsets)} of {fqn!r} has shape {list(tensor.shape)}, the "
                           f"metadata says {list(sizes)}")
     return np.asarray(to_numpy(tensor))
-
-
-def _plain(value: Any) -> Any:
-    from .deepspeed import _plain as plain
-
-    return plain(value)

@@ -39,9 +39,9 @@ import numpy as np
 from reshard.layouts import _protowire as pw
 from reshard.layouts.errors import ChecksumError, DTypeMismatchError, FormatError, ShapeMismatchError
 
-from ..format.dtypes import dtype_name, numpy_dtype
-from ..read.export import SAFETENSORS_DTYPES
-from .safetensors import read_header
+from ...format.dtypes import dtype_name, numpy_dtype
+from ...read.export import SAFETENSORS_DTYPES
+from ..huggingface.read import read_header
 
 #: MindSpore ``tensor_type`` -> reshard dtype name.
 TYPES = {

@@ -22,7 +22,7 @@ chunk (as it would for independent reads). The shared units are packed into
 (they are read straight into their destination where it can take them).
 
 Pure functions of the needs and the stored records: no I/O, no communication,
-no framework import. :mod:`reshard.store.frontends.exchange` runs the plan.
+no framework import. :mod:`reshard.store.frontends.torch.exchange` runs the plan.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..format.meta import ArrayMeta
-from ..format.shard import SMALL_SHARD_BYTES
-from ..format.trailers import TAIL_GUESS
+from ...format.meta import ArrayMeta
+from ...format.shard import SMALL_SHARD_BYTES
+from ...format.trailers import TAIL_GUESS
 
 #: A box of a tensor: ``(start, stop)`` per dimension (a 0-d tensor's box is ``()``).
 Box = tuple[tuple[int, int], ...]

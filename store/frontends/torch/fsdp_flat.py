@@ -32,7 +32,7 @@ import numpy as np
 from reshard.layouts import FlatBuffer, FlatLayout
 from reshard.layouts.errors import FormatError
 
-from ..format.torch_arrays import to_numpy
+from ...format.torch_arrays import to_numpy
 
 #: The name segment FSDP1 inserts for a wrapped module (left out of parameter names).
 WRAPPED = "_fsdp_wrapped_module"

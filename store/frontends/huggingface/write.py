@@ -1,7 +1,7 @@
 """A checkpoint -> a Hugging Face folder: ``model.safetensors``, or numbered shards and their index.
 
 Each file is streamed by ``Checkpoint.export``; the folder's other files kept at
-import are written back beside them (:mod:`.hf_folder`), and the whole folder
+import are written back beside them (:mod:`.folder`), and the whole folder
 replaces the target at once.
 """
 
@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 from reshard.layouts.errors import BadNameError
 
-from ..read.checkpoint import Checkpoint
-from ..read.open import open as open_checkpoint
-from .hf_folder import INDEX_NAME, SHARD_NAME, SINGLE_NAME, kept_files, replaced_folder, write_files
+from ...read.checkpoint import Checkpoint
+from ...read.open import open as open_checkpoint
+from .folder import INDEX_NAME, SHARD_NAME, SINGLE_NAME, kept_files, replaced_folder, write_files
 
 if TYPE_CHECKING:
-    from ..io.stats import IOStats
+    from ...io.stats import IOStats
 
 #: Default shard size of :func:`export_safetensors`, as ``transformers`` (``save_pretrained``).
 DEFAULT_SHARD_SIZE = "5GB"

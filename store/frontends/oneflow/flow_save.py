@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 from reshard.layouts.errors import CheckpointNotFoundError, DTypeMismatchError, FormatError, ShapeMismatchError
 
-from ..format.dtypes import numpy_dtype
+from ...format.dtypes import numpy_dtype
 
 PICKLE_FILE = "pickled_data"
 META_FILE = "meta"

@@ -14,11 +14,11 @@ placement's blocks, and can be loaded back onto any other placement and SBP.
   each rank of the placement writes its local pieces (no communication).
 * :func:`load_oneflow` is ``to_global(flow.load(dir), placement, sbp)`` followed
   by ``to_local`` on any placement and SBP: each rank reads only its own region.
-* :func:`load_flow_save` (from :mod:`.oneflow_save`): OneFlow's own
+* :func:`load_flow_save` (from :mod:`.flow_save`): OneFlow's own
   ``flow.save`` folders (``pickled_data`` + ``tensor_N/meta`` + ``tensor_N/out``),
   read without OneFlow and without unpickling; :func:`load_local` reads one
   rank's folder of either kind.
-* :func:`save_npz` / :func:`load_npz` (from :mod:`.oneflow_npz`): one rank's
+* :func:`save_npz` / :func:`load_npz` (from :mod:`.npz`): one rank's
   local state dict as a folder of plain ``.npz`` + JSON.
 
 ``sbp`` is one SBP for every tensor, a tuple for an N-d placement, or a
@@ -50,12 +50,12 @@ import numpy as np
 from reshard.layouts import Layout
 from reshard.layouts.errors import BadNameError, LayoutError
 
-from ..format.tree import flatten, is_tensor, unflatten
-from ..read.checkpoint import Checkpoint
-from ..read.open import open
-from ..write.writer import CheckpointWriter, create, single_process
-from .oneflow_npz import KeyPath, key_str, load_npz, save_npz, walk
-from .oneflow_save import is_flow_save, load_flow_save
+from ...format.tree import flatten, is_tensor, unflatten
+from ...read.checkpoint import Checkpoint
+from ...read.open import open
+from ...write.writer import CheckpointWriter, create, single_process
+from .flow_save import is_flow_save, load_flow_save
+from .npz import KeyPath, key_str, load_npz, save_npz, walk
 
 SbpLike = Any  # an SBP, a tuple of them, or a callback (state_dict, tensor) -> SBP
 
