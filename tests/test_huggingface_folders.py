@@ -187,3 +187,22 @@ def test_kept_files_are_checked_before_export(tmp_path: Path) -> None:
     with pytest.raises(rs.FormatError, match=r"not a plain non-weight file name"):
         export_safetensors(str(tmp_path / "ck2"), tmp_path / "out")
     assert not (tmp_path / "evil.json").exists()
+
+
+def test_inspect_and_show_a_folder_import_name_the_carried_files(tmp_path: Path, capsys) -> None:
+    from reshard.store.cli import main
+
+    folder = tmp_path / "model"
+    rs.save(_state(), str(tmp_path / "src"))
+    export_safetensors(str(tmp_path / "src"), folder)
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    (folder / "tokenizer.model").write_bytes(bytes(range(256)) * 3)
+    import_safetensors(folder, str(tmp_path / "ck"))
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "ck")]) == 0
+    footer = capsys.readouterr().out.splitlines()[-1]
+    assert "__files__" in footer
+    assert main(["show", str(tmp_path / "ck"), "__files__"]) == 0
+    text = capsys.readouterr().out
+    assert '"tokenizer.model"' in text and '"<768 bytes>"' in text and '"<23 bytes>"' in text
+    assert "\\u0000" not in text and "b'" not in text

@@ -171,11 +171,23 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 LEAF_CHARS = 40
 
 
+def bytes_as_sizes(value: Any) -> Any:
+    """A leaf's value with every ``bytes`` in it (a Hugging Face folder's carried files) as ``"<N bytes>"``."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return f"<{len(value)} bytes>"
+    if isinstance(value, dict):
+        return {k: bytes_as_sizes(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [bytes_as_sizes(v) for v in value]
+    return value
+
+
 def summarize_leaf(value: Any, width: int = LEAF_CHARS) -> str:
     """A leaf's value as JSON, or a short summary of a long one (``param_groups``: groups and their keys).
 
-    ``reshard show URL NAME`` and ``inspect --json`` print the whole value.
+    ``reshard show URL NAME`` and ``inspect --json`` print the whole value (bytes by their size).
     """
+    value = bytes_as_sizes(value)
     text = json.dumps(value)
     if len(text) <= width:
         return text
@@ -243,7 +255,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     """``reshard show URL TENSOR``: values of a region, their statistics, or a leaf's value."""
     ckpt = open_url(args.url, args)
     if args.tensor in ckpt.leaves and args.tensor not in ckpt.arrays:  # a step counter, a learning rate...
-        value = ckpt.leaves[args.tensor]
+        value = bytes_as_sizes(ckpt.leaves[args.tensor])
         emit(args, {"leaf": args.tensor, "value": value}, f"{args.tensor} = {json.dumps(value)}")
         return 0
     t = ckpt[args.tensor]
