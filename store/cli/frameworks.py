@@ -92,10 +92,12 @@ def _flags(func: Any) -> Any:
 
     @functools.wraps(func)
     def run(args: argparse.Namespace) -> int:
-        from reshard.layouts.errors import CheckpointExistsError
+        from reshard.layouts.errors import CheckpointExistsError, CheckpointNotFoundError
 
         try:
             return int(func(args))
+        except CheckpointNotFoundError as e:  # SRC may be another framework's: name the import that reads it
+            raise CheckpointNotFoundError(f"{e}{_other_format(args, str(e))}") from None
         except CheckpointExistsError as e:
             if args.overwrite or "overwrite=True" not in str(e):
                 raise
@@ -104,6 +106,18 @@ def _flags(func: Any) -> Any:
 
     return run
 
+
+
+def _other_format(args: argparse.Namespace, error: str) -> str:
+    """The hint for an import whose SRC holds another framework's checkpoint (else "", or when ``error`` has it)."""
+    from ..frontends.sources import local_path
+    from ..io.storage import Storage
+    from ..read.foreign import detect, foreign_hint
+
+    src = Storage(local_path(args.src[0] if isinstance(args.src, list) else args.src))
+    found = detect(src)
+    wrong = found is not None and found.command != args.framework and "`reshard import" not in error
+    return foreign_hint(src) if wrong else ""
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from ..format.meta import META_DIR, ArrayMeta
 from ..io.gcpause import gc_paused
 from ..io.storage import Storage
 from .checkpoint import Checkpoint
+from .foreign import foreign_hint
 
 
 @gc_paused()
@@ -182,13 +183,13 @@ def _open_uncommitted(root: Storage, allow: bool, save_id: Any, engine: str, gap
         elif legacy:
             gen = root  # format version 1: manifests at the root
         else:
-            raise CheckpointNotFoundError(f"no checkpoint at {root.url}")
+            raise CheckpointNotFoundError(f"no checkpoint at {root.url}{foreign_hint(root)}")
     if not allow:
         try:
             read_manifests(gen)
         except UncommittedCheckpointError as e:
             if "no rank has written" in str(e):
-                raise CheckpointNotFoundError(f"no checkpoint at {root.url}") from None
+                raise CheckpointNotFoundError(f"no checkpoint at {root.url}{foreign_hint(root)}") from None
             raise UncommittedCheckpointError(str(e).replace(gen.url, root.url)) from None
         raise UncommittedCheckpointError(
             f"{root.url}: every rank has written but the checkpoint was never committed "

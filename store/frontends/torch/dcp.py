@@ -21,6 +21,7 @@ from reshard.layouts.errors import CheckpointNotFoundError, FormatError
 
 from ...format.tree import to_json
 from ...io.storage import Storage
+from ...read.foreign import MEGATRON, detect, foreign_hint
 from ...write.writer import create, single_process
 from ..sources import local_path, refuse_empty
 
@@ -154,7 +155,12 @@ def import_dcp(src: str, dst: str, *, src_storage_options: dict[str, Any] | None
     try:
         raw = src_store.read(".metadata")
     except FileNotFoundError:
-        raise CheckpointNotFoundError(f"{src_store.url}: no DCP checkpoint there (no .metadata file)") from None
+        raise CheckpointNotFoundError(f"{src_store.url}: no DCP checkpoint there (no .metadata file)"
+                                      f"{foreign_hint(src_store)}") from None
+    if detect(src_store) is MEGATRON:  # a DCP folder too, but its optimizer state is Megatron's flat buckets
+        raise FormatError(f"{src_store.url} is a Megatron-Core torch_dist save (metadata.json names its backend): "
+                          f"import it with `reshard import megatron {src_store.url} DST`, which decodes its "
+                          "distributed optimizer's state")
     md = read_dcp_metadata(raw)
     where = {(idx.fqn, None if idx.offset is None else tuple(idx.offset)): info
              for idx, info in md.storage_data.items()}

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 from reshard.layouts import Layout
-from reshard.layouts.errors import CheckpointExistsError, DTypeMismatchError
+from reshard.layouts.errors import CheckpointExistsError, CheckpointNotFoundError, DTypeMismatchError
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -58,6 +58,7 @@ from ...commit.marker import read_marker
 from ...format.torch_arrays import from_numpy, to_numpy
 from ...format.tree import to_json
 from ...io.storage import Storage
+from ...read.foreign import DCP, detect
 from ...read.open import open
 from ...write.writer import create
 from .dcp import _regroup
@@ -307,7 +308,16 @@ class StorageReader(_Reader):
 
     def _open(self) -> Any:
         if self._ckpt is None:
-            self._ckpt = open(_url(None, self.url), storage_options=self.storage_options, engine=self.engine)
+            url = _url(None, self.url)
+            try:
+                self._ckpt = open(url, storage_options=self.storage_options, engine=self.engine)
+            except CheckpointNotFoundError as e:
+                if detect(Storage(url, self.storage_options)) is not DCP:
+                    raise
+                raise CheckpointNotFoundError(
+                    f"{e}; or load it as it is with DCP's own reader: "
+                    f"dcp.load(state_dict, storage_reader=torch.distributed.checkpoint.FileSystemReader({url!r}))"
+                ) from None
         return self._ckpt
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
