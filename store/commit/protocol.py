@@ -47,6 +47,7 @@ from ..format.refs import stream as references_stream
 from ..io import pool
 from ..io.gcpause import gc_paused
 from ..io.storage import Storage
+from .fence import check_one_job
 from .locks import (
     DEFAULT_LOCK_LEASE,
     check_not_collected,
@@ -196,6 +197,7 @@ def _commit_manifests(root: Storage, gen: Storage, generation: str, sid: str, ra
         except UncommittedCheckpointError:
             check_not_collected(root, generation)  # say why they are gone, if gc removed them
             raise
+    check_one_job(gen.url, manifests, root)
     metas, leaves = merge_manifests(gen.url, manifests, known=known)
     located = merge_packed(gen.url, manifests, metas)
     if located is not None:

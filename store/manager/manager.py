@@ -27,7 +27,7 @@ from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import numpy as np
-from reshard.layouts.errors import CheckpointNotFoundError, UncommittedCheckpointError
+from reshard.layouts.errors import CheckpointNotFoundError, JobSupersededError, UncommittedCheckpointError
 
 from ..format.grid import writes_any
 from ..format.manifests import read_manifest
@@ -141,10 +141,12 @@ class CheckpointManager:
         self._writers: dict[int, CheckpointWriter] = {}
         self._closed = False
         self._heartbeat: threading.Thread | None = None
+        #: Per step, this process's check that its job still owns the root (:meth:`_check_fence`).
+        self._fence_checks: dict[int, Future[None]] = {}
         #: Ranks of this process write once the committer has reconciled (another process's committer: waited for).
         self._ready = layouts is None or self.committer_rank in process_ranks(rank, self.committer_rank)
         if layouts is not None and self.committer_rank in process_ranks(rank, self.committer_rank):
-            self.committer.take_job_lock()  # one job per root: a second one is refused here
+            self.committer.take_job_lock()  # this job's fencing token: any earlier job on the root is superseded
             try:
                 self.committer.reconcile()
                 self.committer.renew_job_lock(ready=True)  # the other processes' ranks may write now
@@ -188,6 +190,8 @@ class CheckpointManager:
             The failure of an earlier background write or commit of this process.
         """
         self.raise_errors()
+        if self.committer.superseded is not None:  # every later save too: this job owns the root no more
+            raise JobSupersededError(str(self.committer.superseded))
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
         if self.layouts is None:
@@ -259,14 +263,36 @@ class CheckpointManager:
     def _write(self, step: int, rank: int, state: dict[str, Any], staged: Any) -> None:
         try:
             if not self._ready:
-                self.committer.wait_ready(self.committer.timeout)
+                self.committer.wait_ready(self.committer.timeout)  # binds this process to its job's token
                 self._ready = True
+            else:
+                self._check_fence(step)
             if staged is not None:
                 staged.ready()
             self._writer(step).write(rank, state)
         finally:
             if staged is not None:
                 staged.release()
+
+    def _check_fence(self, step: int) -> None:
+        """Refuse to write if a newer job took the root: one GET per step per process, in the writer thread
+        (the save path in the caller's thread sends nothing); the process's other saves of the step wait for
+        its answer. The first save after binding to the job's token skips it."""
+        with self._lock:
+            check = self._fence_checks.get(step)
+            mine = check is None
+            if check is None:
+                check = self._fence_checks[step] = Future()
+                for old in sorted(self._fence_checks)[:-4]:
+                    del self._fence_checks[old]
+        if mine:
+            try:
+                self.committer.check_current()
+            except BaseException as e:
+                check.set_exception(e)
+            else:
+                check.set_result(None)
+        check.result()
 
     def _writer(self, step: int) -> CheckpointWriter:
         assert self.layouts is not None  # save refuses a reading manager
@@ -283,8 +309,10 @@ class CheckpointManager:
         for _ in range(BASE_TRIES):
             base = self._base(step)
             try:
+                fence = self.committer.fence
                 return CheckpointWriter(f"{self.url}/{step_dir(step)}", self.layouts, save_id=str(step),
-                                        storage_options=self.storage_options, base=base, **self.options)
+                                        storage_options=self.storage_options, base=base,
+                                        fence=None if fence is None else fence.token, **self.options)
             except UncommittedCheckpointError:
                 if base is None:
                     raise
