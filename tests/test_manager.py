@@ -7,7 +7,6 @@ import json
 import os
 import socket
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +15,8 @@ from reshard.layouts import Layout
 from reshard.store.io.storage import Storage
 from reshard.store.manager import Index, Retention, StepRecord, read_index
 from reshard.store.manager.retention import delete_steps, plan
+
+from tests.reliability.harness import step_manifests
 
 SHAPE = (8, 3)
 L = {"w": Layout.from_dtensor((4,), ["S(0)"], SHAPE), "b": Layout.from_dtensor((4,), ["R"], (3,))}
@@ -381,16 +382,7 @@ def test_a_second_job_takes_the_root_over_and_the_first_is_superseded(tmp_path):
     assert not (tmp_path / "run" / "manager.lock").exists()
     tokens = {json.loads(p.read_text())["token"] for p in (tmp_path / "run" / ".reshard" / "fence").glob("*.json")}
     assert tokens == {1, 2}
-    assert {m["fence"] for m in step_manifests(url, 1)} == {1} and {m["fence"] for m in step_manifests(url, 2)} == {2}
-
-
-def step_manifests(url: str, step: int) -> list[dict]:
-    """Every rank's manifest of a committed step, as the commit read them."""
-    from reshard.store.format.manifests import read_manifests
-
-    marker = json.loads(Path(url, f"step-{step}", ".reshard", "commit.json").read_text())
-    gen = Storage(f"{url}/step-{step}").child(marker["generation"])
-    return list(read_manifests(gen, marker["save_id"], marker["ranks"]).values())
+    assert [{m["fence"] for m in step_manifests(f"{url}/step-{s}")} for s in (1, 2)] == [{1}, {2}]
 
 
 def test_a_restart_with_the_dead_jobs_host_and_pid_takes_the_root_at_once(tmp_path):

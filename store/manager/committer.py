@@ -163,6 +163,20 @@ class Committer:
             self.superseded = e
             raise
 
+    def raise_if_superseded(self, error: BaseException) -> None:
+        """After a failure of this job: raise :class:`JobSupersededError` (from ``error``) if a newer job took the
+        root (its start-up clean-up may be what made this job's request fail); else return. One GET, on failures
+        only.
+        """
+        if isinstance(error, JobSupersededError) or self.fence is None:
+            return
+        try:
+            self.check_current()
+        except JobSupersededError as e:
+            raise e from error
+        except Exception:  # the storage fails: the original failure says more
+            return
+
     def wait_ready(self, timeout: float) -> None:
         """Bind this process to its job's token: the newest one whose job is ready (ranks other than the
         committer's, before their first write: the committer's start-up clean-up removes step folders it does
@@ -217,7 +231,9 @@ class Committer:
             changed = True
         known = set(index.numbers())
         needed = referenced(index.steps, known)  # retired steps whose objects kept steps reference
-        for name in self.root.list(""):
+        listed = self.root.list("")
+        self.check_current()  # a job superseded while it starts deletes nothing of the newer one's
+        for name in listed:
             if name.startswith(f"{INDEX_KEY}.") and name.endswith(".tmp"):  # a crashed index write's temporary
                 self.root.delete(name)
                 continue
@@ -231,6 +247,7 @@ class Committer:
             else:
                 self.root.delete(name)
         if changed:
+            self.check_current()
             write_index(self.root, index)
         self._index = index
         return index
@@ -308,7 +325,8 @@ class Committer:
                                 refs=referenced_steps(manifests), committing=True)
             self._index = self.index.with_step(record)
             write_index(self.root, self._index)  # before the marker: readers confirm it by the marker
-            marker = commit(self.root.child(step_dir(step)), save_id=str(step), manifests=manifests)
+            marker = commit(self.root.child(step_dir(step)), save_id=str(step), manifests=manifests,
+                            before_marker=self.check_current)  # and again last: the window is one request
         except BaseException as e:
             self.record_failure(step, f"{type(e).__name__}: {e}")
             raise
@@ -334,9 +352,10 @@ class Committer:
             return  # committed already (e.g. a repeated save of it was refused): nothing was abandoned
         self._abandoned.add(step)
         try:
+            self.check_current()  # one GET, on failures only: a newer job's index is not this job's to write
             self._index = self.index.without({step}).with_failure(step, message)
             write_index(self.root, self._index)
-        except Exception:  # the original failure is what the caller raises
+        except Exception:  # the original failure is what the caller raises (superseded: explained by the manager)
             pass
 
 

@@ -150,8 +150,9 @@ class CheckpointManager:
             try:
                 self.committer.reconcile()
                 self.committer.renew_job_lock(ready=True)  # the other processes' ranks may write now
-            except BaseException:
+            except BaseException as e:
                 self.committer.release_job_lock()
+                self.committer.raise_if_superseded(e)  # a newer job's start-up removed what this one wrote?
                 raise
             self._heartbeat = threading.Thread(target=self._renew_job_lock, name="reshard-job-lock", daemon=True)
             self._heartbeat.start()
@@ -238,6 +239,10 @@ class CheckpointManager:
         try:
             self._write(step, rank, state, staged)
         except BaseException as e:
+            try:
+                self.committer.raise_if_superseded(e)
+            except JobSupersededError as superseded:
+                e = superseded
             written.set_exception(e)
         else:
             written.set_result(None)
@@ -362,7 +367,11 @@ class CheckpointManager:
         except BaseException as e:
             self.committer.record_failure(step, f"the committer's own write failed: {type(e).__name__}: {e}")
             raise
-        return self.committer.commit_step(step, self._expected_for(step), metrics)
+        try:
+            return self.committer.commit_step(step, self._expected_for(step), metrics)
+        except BaseException as e:
+            self.committer.raise_if_superseded(e)
+            raise
 
     def _expected_for(self, step: int) -> list[int]:
         if self.expected:
