@@ -28,6 +28,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
@@ -92,6 +93,9 @@ class Committer:
         #: Set once a newer job took the root (the error saying so): this job writes neither the index nor a marker
         #: any more, and every later save of this process raises it.
         self.superseded: JobSupersededError | None = None
+        #: Per step, this process's check that its job still owns the root (:meth:`check_step`).
+        self._checks: dict[int, Future[None]] = {}
+        self._checks_lock = threading.Lock()
         #: Requests of the last poll: ``(gets, waits)`` (for tests and benchmarks).
         self.last_poll = (0, 0)
 
@@ -163,6 +167,31 @@ class Committer:
             self.superseded = e
             raise
 
+    def check_step(self, step: int) -> None:
+        """Before a write of ``step``: :meth:`check_current`, once per step per process (one GET); the process's
+        other writes of the step wait for its answer.
+
+        Raises
+        ------
+        JobSupersededError
+            If a newer job took the root.
+        """
+        with self._checks_lock:
+            check = self._checks.get(step)
+            mine = check is None
+            if check is None:
+                check = self._checks[step] = Future()
+                for old in sorted(self._checks)[:-4]:
+                    del self._checks[old]
+        if mine:
+            try:
+                self.check_current()
+            except BaseException as e:
+                check.set_exception(e)
+            else:
+                check.set_result(None)
+        check.result()
+
     def raise_if_superseded(self, error: BaseException) -> None:
         """After a failure of this job: raise :class:`JobSupersededError` (from ``error``) if a newer job took the
         root (its start-up clean-up may be what made this job's request fail); else return. One GET, on failures
@@ -216,9 +245,12 @@ class Committer:
         if it holds a marker (written by an older reshard), else removed; the
         temporary of an index write that was killed is removed. One
         LIST of the root (per job, not per save), one GET per flagged record and
-        per unknown folder. Ranks of other processes wait for it before their first
-        write (:meth:`wait_ready`): a step folder being written now would be taken
-        for a crashed job's leftover.
+        per unknown folder, and a check of the job's token (one GET) after the LIST
+        and before the deletes: a job superseded while it starts deletes nothing the
+        newer job made (storage is linearizable: what the newer job made after its
+        token is in no listing made before a check that saw no newer token). Ranks of
+        other processes wait for it before their first write (:meth:`wait_ready`): a
+        step folder being written now would be taken for a crashed job's leftover.
         """
         index = read_index(self.root)
         changed = False
@@ -227,12 +259,13 @@ class Committer:
                 index = index.with_step(replace(record, committing=False))
             else:
                 index = index.without({record.step})
+                self.check_current()  # before any delete: a job superseded while it starts removes nothing
                 self.root.delete(step_dir(record.step))
             changed = True
         known = set(index.numbers())
         needed = referenced(index.steps, known)  # retired steps whose objects kept steps reference
         listed = self.root.list("")
-        self.check_current()  # a job superseded while it starts deletes nothing of the newer one's
+        self.check_current()  # after the listing, before the deletes: nothing the newer job made since is listed
         for name in listed:
             if name.startswith(f"{INDEX_KEY}.") and name.endswith(".tmp"):  # a crashed index write's temporary
                 self.root.delete(name)

@@ -141,8 +141,6 @@ class CheckpointManager:
         self._writers: dict[int, CheckpointWriter] = {}
         self._closed = False
         self._heartbeat: threading.Thread | None = None
-        #: Per step, this process's check that its job still owns the root (:meth:`_check_fence`).
-        self._fence_checks: dict[int, Future[None]] = {}
         #: Ranks of this process write once the committer has reconciled (another process's committer: waited for).
         self._ready = layouts is None or self.committer_rank in process_ranks(rank, self.committer_rank)
         if layouts is not None and self.committer_rank in process_ranks(rank, self.committer_rank):
@@ -270,34 +268,14 @@ class CheckpointManager:
             if not self._ready:
                 self.committer.wait_ready(self.committer.timeout)  # binds this process to its job's token
                 self._ready = True
-            else:
-                self._check_fence(step)
+            else:  # one GET per step per process, in this writer thread: the caller's save sends nothing
+                self.committer.check_step(step)
             if staged is not None:
                 staged.ready()
             self._writer(step).write(rank, state)
         finally:
             if staged is not None:
                 staged.release()
-
-    def _check_fence(self, step: int) -> None:
-        """Refuse to write if a newer job took the root: one GET per step per process, in the writer thread
-        (the save path in the caller's thread sends nothing); the process's other saves of the step wait for
-        its answer. The first save after binding to the job's token skips it."""
-        with self._lock:
-            check = self._fence_checks.get(step)
-            mine = check is None
-            if check is None:
-                check = self._fence_checks[step] = Future()
-                for old in sorted(self._fence_checks)[:-4]:
-                    del self._fence_checks[old]
-        if mine:
-            try:
-                self.committer.check_current()
-            except BaseException as e:
-                check.set_exception(e)
-            else:
-                check.set_result(None)
-        check.result()
 
     def _writer(self, step: int) -> CheckpointWriter:
         assert self.layouts is not None  # save refuses a reading manager
