@@ -368,7 +368,8 @@ def test_a_second_job_takes_the_root_over_and_the_first_is_superseded(tmp_path):
     with pytest.warns(RuntimeWarning, match=rf"may still be alive \({socket.gethostname()} pid {os.getpid()}"):
         second = rs.CheckpointManager(url, L, max_to_keep=3)  # never refused: it supersedes the first
     assert rs.CheckpointManager(url).steps() == [1]  # a reader needs no token
-    with pytest.raises(rs.JobSupersededError, match=r"this job \(job 1 .*superseded by job 2 \(host "):
+    with pytest.raises(rs.JobSupersededError,
+                       match=r"this job, job 1 \(started .*, was superseded by job 2 \(started .* on host "):
         save_all(first, 2)  # the first job's next save (its write, in the background, raises at once)
         first.wait(committed=True, timeout=30)
     with pytest.raises(rs.JobSupersededError):  # and every later one, at the call

@@ -99,10 +99,10 @@ class Fence:
                    pid=field("pid", int, -1), time=float(field("time", int | float, float("nan"))))
 
     def describe(self) -> str:
-        """``job 7 (host h, pid 1, started 2026-11-28 20:01:02 UTC by its own clock)``."""
+        """``job 7 (started 2026-11-28 20:01:02 UTC by its host's clock, on host h, pid 1)``."""
         when = "at an unknown time" if self.time != self.time else \
             time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.time))
-        return f"job {self.token} (host {self.host}, pid {self.pid}, started {when} by its host's clock)"
+        return f"job {self.token} (started {when} by its host's clock, on host {self.host}, pid {self.pid})"
 
 
 def _listed(root: Storage) -> int:
@@ -146,7 +146,7 @@ def successor(root: Storage, fence: Fence) -> Fence | None:
 def superseded_error(root: Storage, fence: Fence, newer: Fence) -> JobSupersededError:
     """The error a superseded job gets, naming both jobs."""
     return JobSupersededError(
-        f"{root.url}: this job ({fence.describe()}) was superseded by {newer.describe()}, which opened "
+        f"{root.url}: this job, {fence.describe()}, was superseded by {newer.describe()}, which opened "
         "this root for writing since: this job saves and commits nothing more here (the newer job owns "
         "the root; no step mixes the two). Stop this job, or save to another root")
 

@@ -346,7 +346,7 @@ class Committer:
         where = self.root.child(step_dir(step)).url
         raise CommitConflictError(
             f"{where}: rank {rank}'s manifest was written by {fencing.describe_token(self.root, token)}, not by this "
-            f"job ({self.fence.describe()}): a superseded job still saves this step; step {step} is not committed "
+            f"job, {self.fence.describe()}: a superseded job still saves this step; step {step} is not committed "
             "(a step never holds ranks of two jobs)")
 
     def commit_step(self, step: int, expected: list[int], metrics: dict[str, float] | None = None) -> StepRecord:

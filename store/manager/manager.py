@@ -3,6 +3,8 @@
 Layout of a root::
 
     root/manager.json          the index: committed steps and their metrics (committer only)
+    root/.reshard/fence/       job tokens: the newest job owns the root (:mod:`reshard.store.commit.fence`)
+    root/manager.lock          the owning job's liveness hint (host, pid, heartbeat): messages only
     root/step-<N>/             one ordinary reshard checkpoint per step (rs.open reads it)
     root/step-<N>/gen-<N>/...  its save (shards, manifests, metadata)
 
@@ -330,7 +332,7 @@ class CheckpointManager:
         return (commit is not None and not commit.done()) or last is None or step > last
 
     def _renew_job_lock(self) -> None:
-        """Heartbeat of the root's job lock, until the manager closes."""
+        """Heartbeat of the root's liveness hint (and a token check), until the manager closes."""
         while not self._closing.wait(JOB_LEASE / 4):
             try:
                 self.committer.renew_job_lock()
