@@ -64,6 +64,10 @@ class CommitConflictError(ReshardError, RuntimeError):
     """Two writers raced to commit the same URL; this one lost."""
 
 
+class JobSupersededError(CommitConflictError):
+    """A job whose fencing token a newer job superseded on its root: it saves and commits nothing more there."""
+
+
 class CheckpointReplacedError(ReshardError, RuntimeError):
     """An open checkpoint whose URL was committed anew (or garbage-collected) since it was opened."""
 

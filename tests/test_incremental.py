@@ -164,7 +164,7 @@ def test_a_manager_keeps_referenced_objects_of_steps_retention_dropped(tmp_path)
             mgr.save(4, rank, local(state(4, frozen_seed=1), rank))
         mgr.wait(committed=True, timeout=60)
         assert mgr.steps() == [4]
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["manager.json", "step-4"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".reshard", "manager.json", "step-4"]
     check(str(tmp_path / "run/step-4"), state(4, frozen_seed=1))
 
 
@@ -247,7 +247,7 @@ def test_back_to_back_async_incremental_saves_with_retention_all_commit(tmp_path
         for rank in range(RANKS):
             mgr.save(9, rank, local(state(9, frozen_seed=1), rank))
         mgr.wait(committed=True, timeout=60)
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["manager.json", "step-9"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".reshard", "manager.json", "step-9"]
     check(f"{url}/step-9", state(9, frozen_seed=1))
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
+import time
 
 import numpy as np
 import pytest
@@ -13,6 +15,8 @@ from reshard.layouts import Layout
 from reshard.store.io.storage import Storage
 from reshard.store.manager import Index, Retention, StepRecord, read_index
 from reshard.store.manager.retention import delete_steps, plan
+
+from tests.reliability.harness import step_manifests
 
 SHAPE = (8, 3)
 L = {"w": Layout.from_dtensor((4,), ["S(0)"], SHAPE), "b": Layout.from_dtensor((4,), ["R"], (3,))}
@@ -41,7 +45,7 @@ def test_steps_are_ordinary_checkpoints_and_retention_keeps_latest_and_every(tmp
         got = mgr.load({"w": Layout.from_dtensor((3,), ["S(0)"], SHAPE)}, rank=1)
         np.testing.assert_array_equal(got["w"], full(25)[3:6])
         assert got["lr"] == 0.1
-    assert sorted(os.listdir(url)) == ["manager.json", "step-10", "step-20", "step-25"]
+    assert sorted(os.listdir(url)) == [".reshard", "manager.json", "step-10", "step-20", "step-25"]
     np.testing.assert_array_equal(rs.open(f"{url}/step-20")["w"].read(), full(20))  # plain rs.open reads a step
 
 
@@ -356,33 +360,52 @@ def test_keep_best_never_takes_a_nan_metric_for_best(tmp_path):
         np.testing.assert_array_equal(mgr.open(step=3)["w"].read(), full(3))
 
 
-def test_a_second_job_on_one_root_is_refused_and_the_first_keeps_its_steps(tmp_path):
+def test_a_second_job_takes_the_root_over_and_the_first_is_superseded(tmp_path):
     url = str(tmp_path / "run")
     first = rs.CheckpointManager(url, L, max_to_keep=3)
     save_all(first, 1)
     first.wait(committed=True, timeout=30)
-    with pytest.raises(rs.CommitConflictError, match=rf"another job saves to this root .*pid {os.getpid()}"):
-        rs.CheckpointManager(url, L, max_to_keep=3)  # same step numbers would mix two jobs' shards
-    assert rs.CheckpointManager(url).steps() == [1]  # a reader needs no lock
-    save_all(first, 2)
-    first.wait(committed=True, timeout=30)
-    assert first.steps() == [1, 2]
-    np.testing.assert_array_equal(first.open(step=2)["w"].read(), full(2))
-    first.close()
-    with rs.CheckpointManager(url, L, max_to_keep=3) as second:  # once the first job closed, a new one may save
-        save_all(second, 3)
-        second.wait(committed=True, timeout=30)
-        assert second.steps() == [1, 2, 3]
+    with pytest.warns(RuntimeWarning, match=rf"may still be alive \({socket.gethostname()} pid {os.getpid()}"):
+        second = rs.CheckpointManager(url, L, max_to_keep=3)  # never refused: it supersedes the first
+    assert rs.CheckpointManager(url).steps() == [1]  # a reader needs no token
+    with pytest.raises(rs.JobSupersededError,
+                       match=r"this job, job 1 \(started .*, was superseded by job 2 \(started .* on host "):
+        save_all(first, 2)  # the first job's next save (its write, in the background, raises at once)
+        first.wait(committed=True, timeout=30)
+    with pytest.raises(rs.JobSupersededError):  # and every later one, at the call
+        save_all(first, 3)
+    first.close(raise_errors=False)
+    save_all(second, 2)
+    second.wait(committed=True, timeout=30)
+    assert second.steps() == [1, 2]
+    np.testing.assert_array_equal(second.open(step=2)["w"].read(), full(2))
+    second.close()
     assert not (tmp_path / "run" / "manager.lock").exists()
+    tokens = {json.loads(p.read_text())["token"] for p in (tmp_path / "run" / ".reshard" / "fence").glob("*.json")}
+    assert tokens == {1, 2}
+    assert [{m["fence"] for m in step_manifests(f"{url}/step-{s}")} for s in (1, 2)] == [{1}, {2}]
+
+
+def test_a_restart_with_the_dead_jobs_host_and_pid_takes_the_root_at_once(tmp_path):
+    """A container restarted after kill -9: same hostname, and its committer has the dead job's pid (here: a live
+    one, this very process). The old lock looked alive for 600 s; the token decides now, at once."""
+    url = str(tmp_path / "run")
+    (tmp_path / "run").mkdir()
+    alive = {"token": "x", "time": time.time(), "host": socket.gethostname(), "pid": os.getpid(), "lease": 600.0,
+             "ready": True}
+    (tmp_path / "run" / "manager.lock").write_text(json.dumps(alive))
+    t0 = time.monotonic()
+    with pytest.warns(RuntimeWarning, match="fenced"), rs.CheckpointManager(url, L) as mgr:
+        save_all(mgr, 1)
+        mgr.wait(committed=True, timeout=30)
+        assert mgr.steps() == [1]
+    assert time.monotonic() - t0 < 20
 
 
 def test_a_dead_jobs_root_lock_is_broken(tmp_path):
     url = str(tmp_path / "run")
     (tmp_path / "run").mkdir()
-    dead = {"token": "x", "time": 0.0, "host": os.uname().nodename, "pid": 2**22 + 12345, "lease": 600.0}
-    import socket
-
-    dead["host"] = socket.gethostname()
+    dead = {"token": "x", "time": 0.0, "host": socket.gethostname(), "pid": 2**22 + 12345, "lease": 600.0}
     (tmp_path / "run" / "manager.lock").write_text(json.dumps(dead))
     with rs.CheckpointManager(url, L) as mgr:  # its holder is a dead process of this host
         save_all(mgr, 1)

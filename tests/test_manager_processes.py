@@ -101,7 +101,7 @@ def test_a_killed_rank_leaves_the_last_commit_and_the_job_resumes(tmp_path, vict
     assert mgr.steps() == [3, 4]
     for step in (3, 4):
         np.testing.assert_array_equal(mgr.open(step)["w"].read(), value(step))
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["manager.json", "step-3", "step-4"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".reshard", "manager.json", "step-3", "step-4"]
 
 
 def commit_and_die(url: str, before_marker: bool) -> None:
@@ -159,7 +159,7 @@ def test_a_256_rank_save_on_s3_sends_no_list_request(s3_proxy, s3_bucket):
     lay = {"w": Layout.from_dtensor((world,), ["S(0)"], (2 * world, 4)),
            "b": Layout.from_dtensor((world,), ["R"], (4,))}
     mgr = rs.CheckpointManager(f"s3://{s3_bucket}/run", lay, storage_options=s3_proxy.storage_options())
-    assert _lists(s3_proxy) <= 2  # the committer's look for a crashed job's leftovers, once per job
+    assert _lists(s3_proxy) <= 3  # once per job: the look for a crashed job's leftovers, and for the newest job token
     s3_proxy.reset_counters()
     for r in range(world):
         mgr.save(1, r, {"w": np.full((2, 4), r, np.float32), "b": np.ones(4, np.float32)})

@@ -13,6 +13,8 @@ import reshard.store as rs
 from paths import shard_keys
 from reshard.layouts import Layout
 
+from tests.reliability.harness import step_manifests
+
 SHAPES = {"model.w": (64, 32), "model.b": (32,), "opt.m": (64, 32)}
 
 
@@ -29,16 +31,19 @@ def full_state() -> dict[str, np.ndarray]:
     return {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
 
 
+def local(full: dict[str, np.ndarray], rank: int) -> dict:
+    """Rank ``rank``'s pieces of ``full`` (and a leaf)."""
+    lay = layouts()
+    return {**{n: full[n][lay[n].region(rank)] for n in lay}, "step": 5}
+
+
 def rank_main(url: str, rank: int, die_before_manifest: bool) -> None:
     """One rank's process: create with the same arguments as everyone, write its own pieces."""
-    full = full_state()
-    lay = layouts()
-    writer = rs.create(url, lay)
-    local = {n: full[n][lay[n].region(rank)] for n in lay}
-    local["step"] = 5
+    writer = rs.create(url, layouts())
+    pieces = local(full_state(), rank)
     if die_before_manifest:
         os._exit(1)  # a crash: nothing of this rank is recorded
-    writer.write(rank, local)
+    writer.write(rank, pieces)
 
 
 def run_ranks(url: str, ranks: list[int], die: int | None = None) -> None:
@@ -156,3 +161,38 @@ def test_commit_takes_own_records_as_built_and_parses_the_rest(tmp_path):
     writer.commit()
     for name, arr in full.items():
         np.testing.assert_array_equal(rs.open(url).read(name), arr)
+
+
+@pytest.mark.parametrize("form", ["packed", "directory"])
+def test_a_commit_refuses_ranks_of_two_jobs(tmp_path, form):
+    """Manifests carry their job's fencing token (a manager's saves); ranks of two tokens never commit together,
+    whichever path the commit takes (the third-form merge, whole manifests); tokens alike commit."""
+    state = full_state()
+    url = str(tmp_path / "ck")
+    writers = [rs.create(url, layouts(), save_id="s", form=form, fence=token) for token in (3, 4)]
+    for rank in range(4):
+        writers[rank // 2].write(rank, local(state, rank))
+    with pytest.raises(rs.CommitConflictError, match=r"ranks of two jobs wrote this save: rank 0 by job 3, "
+                                                     r"rank 2 by job 4"):
+        writers[0].commit()
+    assert not (tmp_path / "ck" / ".reshard" / "commit.json").exists()
+    late = rs.create(url, layouts(), save_id="s", form=form, fence=3)  # the older job's rank, replaced by job 4's
+    with pytest.raises(rs.CheckpointExistsError):
+        late.write(2, local(state, 2))  # a newer job's manifest is never replaced by an older job's
+    newer = rs.create(url, layouts(), save_id="s", form=form, fence=4)
+    for rank in (0, 1):
+        newer.write(rank, local(state, rank))  # the older job's leftovers are replaced
+    newer.commit()
+    assert {m["fence"] for m in step_manifests(url)} == {4}
+    np.testing.assert_array_equal(rs.open(url)["model.w"].read(), state["model.w"])
+
+
+def test_a_manifest_with_a_malformed_token_is_refused(tmp_path):
+    from reshard.store.format.schema import check_manifest, with_digest
+
+    doc = {"format_version": 2, "rank": 0, "save_id": "s", "expected_ranks": [0], "tensors": {}, "leaves": {}}
+    assert check_manifest(json.loads(with_digest(doc)), "m")  # no token: a save outside a manager, or older
+    assert check_manifest(json.loads(with_digest({**doc, "fence": 7})), "m")["fence"] == 7
+    for bad in (0, -1, "7", True, 1.5):
+        with pytest.raises(rs.FormatError, match="field 'fence' must be an int >= 1"):
+            check_manifest(json.loads(with_digest({**doc, "fence": bad})), "m")

@@ -66,4 +66,5 @@ def test_torch_fsdp2_loop_resumes_after_a_crash(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert (f"resumed from step {before[-1]}" in resumed.stdout) if before else ("resumed" not in resumed.stdout)
     assert "steps kept: [6, 9, 12]" in resumed.stdout  # keep_every=6 keeps 6, max_to_keep=2 the last two
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["manager.json", "step-12", "step-6", "step-9"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".reshard", "manager.json", "step-12", "step-6",
+                                                                    "step-9"]

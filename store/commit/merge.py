@@ -37,6 +37,7 @@ from ..format.table import TRAILER_MAGIC_V3, Table
 from ..format.trailers import group_records, read_head, read_table
 from ..io import pool
 from ..io.storage import Storage
+from .fence import MANIFEST_FIELD, check_one_job
 
 #: Bytes of a data object's end read for its manifest (and, for small saves, its table).
 HEAD_GUESS = 64 << 10
@@ -110,7 +111,8 @@ def merge_ranks(gen: Storage, save_id: str | None, expected: list[int],
         doc, tail, parts = read_head(gen, r, tail)
         if save_id is not None and doc.get("save_id") != save_id:
             return
-        fields: dict[str, Any] = {k: doc[k] for k in ("groups", "carried", "leaves", "table_sha256") if k in doc}
+        fields: dict[str, Any] = {k: doc[k] for k in ("groups", "carried", "leaves", "table_sha256", MANIFEST_FIELD)
+                                  if k in doc}
         footer, _, n_table, n_manifest = parts
         end = footer + n_manifest + n_table
         with lock:
@@ -122,6 +124,7 @@ def merge_ranks(gen: Storage, save_id: str | None, expected: list[int],
     pool.run_all([functools.partial(head, r) for r in expected], gen.local)
     if len(heads) != len(set(expected)):
         return None
+    check_one_job(gen.url, {r: h[0] for r, h in heads.items()})
     metas = _records(gen, heads, known, fresh)
     if metas is None:
         return None

@@ -23,7 +23,7 @@ import functools
 import hashlib
 import json
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from reshard.layouts.errors import (
@@ -47,6 +47,7 @@ from ..format.refs import stream as references_stream
 from ..io import pool
 from ..io.gcpause import gc_paused
 from ..io.storage import Storage
+from .fence import check_one_job
 from .locks import (
     DEFAULT_LOCK_LEASE,
     check_not_collected,
@@ -67,7 +68,7 @@ def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None =
            storage_options: dict[str, Any] | None = None, force: bool = False,
            lock_lease: float = DEFAULT_LOCK_LEASE, manifests: dict[int, dict[str, Any]] | None = None,
            form: str | None = None, known: Mapping[str, tuple[dict[str, Any], ArrayMeta]] | None = None,
-           parquet: bool | None = None) -> Marker:
+           parquet: bool | None = None, before_marker: Callable[[], None] | None = None) -> Marker:
     """Commit a save once every rank has written.
 
     Parameters
@@ -99,6 +100,9 @@ def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None =
         Write parquet references beside ``refs.json`` (:mod:`reshard.store.format.parquet`; saves by
         ranks, packed). None (default): when pyarrow is installed and the save has at least
         :data:`~reshard.store.format.parquet.MIN_SHARDS` shards (where ``refs.json`` passes ~10 MB).
+    before_marker : callable, optional
+        Called holding the lock just before the marker is written; what it raises stops the commit (a
+        manager's committer checks there that its job still owns the root: :mod:`.fence`).
 
     Returns
     -------
@@ -136,6 +140,8 @@ def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None =
         else:
             marker = _commit_manifests(root, gen, generation, sid, ranks, form, manifests, known)
         check_not_collected(root, generation)  # holding the lock: gc marks first, then looks for a lock
+        if before_marker is not None:
+            before_marker()
         root.write_atomic(COMMIT_KEY, marker.to_json())
     except BaseException:
         with contextlib.suppress(Exception):
@@ -196,6 +202,7 @@ def _commit_manifests(root: Storage, gen: Storage, generation: str, sid: str, ra
         except UncommittedCheckpointError:
             check_not_collected(root, generation)  # say why they are gone, if gc removed them
             raise
+    check_one_job(gen.url, manifests, root)
     metas, leaves = merge_manifests(gen.url, manifests, known=known)
     located = merge_packed(gen.url, manifests, metas)
     if located is not None:

@@ -278,6 +278,9 @@ def check_manifest(doc: Any, where: str) -> dict[str, Any]:
     save_id = doc.get("save_id")
     if save_id is not None and not isinstance(save_id, str):
         raise _fail(where, "save_id", "a string", save_id)
+    fence = doc.get("fence")  # the writing job's fencing token (reshard.store.commit.fence); absent before
+    if fence is not None and (not is_int(fence) or fence < 1):
+        raise _fail(where, "fence", "an int >= 1", fence)
     leaves = get(doc, "leaves", where)
     if not isinstance(leaves, dict):
         raise _fail(where, "leaves", "an object", leaves)

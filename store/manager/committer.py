@@ -26,14 +26,17 @@ import json
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
 from reshard.layouts import all_ranks
-from reshard.layouts.errors import CheckpointExistsError, CommitConflictError, UncommittedCheckpointError
+from reshard.layouts.errors import CommitConflictError, JobSupersededError, UncommittedCheckpointError
 
+from ..commit import fence as fencing
 from ..commit.locks import lock_body, lock_is_stale
 from ..commit.marker import generation_of, read_marker
 from ..commit.protocol import commit
@@ -46,9 +49,10 @@ from .retention import Retention, delete_steps, plan, referenced, referenced_ste
 #: First and longest pause between two polls of a missing manifest (seconds).
 POLL_MIN = 0.005
 POLL_MAX = 1.0
-#: The root's job lock: held by the committer's process of the one job that saves to the root.
+#: The root's job liveness hint (host, pid, heartbeat, fencing token): written by the committer's process of the
+#: job that owns the root, for messages and warnings only (who may save is decided by :mod:`..commit.fence`).
 JOB_LOCK_KEY = "manager.lock"
-#: Seconds after which a job lock not renewed is broken by another job (a live job renews it every quarter).
+#: Seconds after which a hint not renewed reads as a dead job's (a live job renews it every quarter).
 JOB_LEASE = 600.0
 
 
@@ -82,8 +86,16 @@ class Committer:
         self._abandoned: set[int] = set()
         #: Dropped steps whose objects a save still being written may reference (see :mod:`.retention`).
         self._held: dict[int, StepRecord] = {}
-        #: This job's lock of the root (its content), once taken.
+        #: This job's liveness hint in ``manager.lock`` (its content), once written.
         self._job: bytes | None = None
+        #: This job's fencing token: taken by the committer's process, bound to by the others' at their first write.
+        self.fence: fencing.Fence | None = None
+        #: Set once a newer job took the root (the error saying so): this job writes neither the index nor a marker
+        #: any more, and every later save of this process raises it.
+        self.superseded: JobSupersededError | None = None
+        #: Per step, this process's check that its job still owns the root (:meth:`check_step`).
+        self._checks: dict[int, Future[None]] = {}
+        self._checks_lock = threading.Lock()
         #: Requests of the last poll: ``(gets, waits)`` (for tests and benchmarks).
         self.last_poll = (0, 0)
 
@@ -96,80 +108,116 @@ class Committer:
 
     # ----------------------------------------------------------- job lock
     def take_job_lock(self) -> None:
-        """Take the root's job lock (``manager.lock``): one job saves to a root at a time.
+        """Open the root for writing: take this job's fencing token (:mod:`reshard.store.commit.fence`).
 
-        Two jobs saving to one root would mix their steps (the same step's shards
-        from both) and overwrite each other's index. The lock is renewed by
-        :meth:`renew_job_lock`; one whose holder is a dead process of this host,
-        or that was not renewed for :data:`JOB_LEASE` seconds, is broken.
-
-        Raises
-        ------
-        CommitConflictError
-            If a live job holds it; the message names its host and process.
+        Never refused and never waits: a restarted job (same host in a fresh PID
+        namespace, another host, any clock) takes the root at once, and any job
+        that saved to it before is superseded (its next save or commit raises
+        :class:`~reshard.store.JobSupersededError`; a commit never mixes the ranks
+        of two jobs). The root's ``manager.lock`` is only a hint now (host, pid,
+        heartbeat): a holder that still looks alive gives a warning, not a decision.
         """
-        body = lock_body(JOB_LEASE)
-        try:
-            self.root.write_new(JOB_LOCK_KEY, body)
-        except CheckpointExistsError:
-            holder = self._job_holder()
-            if holder is not None and not lock_is_stale(holder, time.time()):
-                raise CommitConflictError(
-                    f"{self.root.url}: another job saves to this root ({holder.get('host')} pid {holder.get('pid')}, "
-                    f"lock renewed {time.time() - float(holder['time']):.0f} s ago): two jobs on one root would mix "
-                    "their steps. Stop it or use another root; a job that died without closing its manager leaves "
-                    f"a lock that is broken once its process is gone or after {JOB_LEASE:.0f} s "
-                    f"(or delete {self.root.url}/{JOB_LOCK_KEY})") from None
-            self.root.delete(JOB_LOCK_KEY, recursive=False)
-            try:
-                self.root.write_new(JOB_LOCK_KEY, body)
-            except CheckpointExistsError:
-                raise CommitConflictError(f"{self.root.url}: another job took this root's lock just now") from None
-        self._job = body
+        holder = self._job_holder()
+        self.fence = fencing.take(self.root)
+        if isinstance(holder, dict) and not lock_is_stale(holder, time.time()):
+            warnings.warn(
+                f"{self.root.url}: taking this root over from a job that may still be alive ({holder.get('host')} pid "
+                f"{holder.get('pid')}, heartbeat {time.time() - float(holder['time']):.0f} s ago by this host's "
+                f"clock): it is fenced (job {self.fence.token} supersedes it) and stops at its next save or commit",
+                RuntimeWarning, stacklevel=3)
+        self._job = lock_body(JOB_LEASE)
+        self._write_hint()
 
     def renew_job_lock(self, ready: bool = False) -> None:
-        """Rewrite this job's lock with the current time (a heartbeat); ``ready``: also say that
-        :meth:`reconcile` is done, so the job's other ranks may write (:meth:`wait_ready`).
+        """Refresh the job's liveness hint ``manager.lock`` (a heartbeat) if the job is still the newest;
+        ``ready``: also say that :meth:`reconcile` is done, so the job's other ranks may write (:meth:`wait_ready`).
 
         Raises
         ------
-        CommitConflictError
-            If another job broke it meanwhile (this one was taken for dead).
+        JobSupersededError
+            If a newer job took the root meanwhile.
         """
-        if self._job is None:
+        if self._job is None or self.fence is None:
             return
-        holder = self._job_holder()
-        theirs = holder.get("token") if isinstance(holder, dict) else None
-        if theirs != json.loads(self._job)["token"]:
-            self._job = None
-            raise CommitConflictError(f"{self.root.url}: this job's lock of the root was taken by another job "
-                                      "(this one looked dead for longer than its lease): saves stop here")
+        self.check_current()
+        if ready:
+            fencing.mark_ready(self.root, self.fence)
         self._job = json.dumps({**json.loads(self._job), "time": time.time(), **({"ready": True} if ready else {})
                                 }).encode()
+        self._write_hint()
+
+    def _write_hint(self) -> None:
+        assert self._job is not None and self.fence is not None
+        self._job = json.dumps({**json.loads(self._job), "fence": self.fence.token}).encode()
         self.root.write_atomic(JOB_LOCK_KEY, self._job)
 
+    def check_current(self) -> None:
+        """Refuse to go on if a newer job took the root (one GET; nothing to check without a token).
+
+        Raises
+        ------
+        JobSupersededError
+            Naming both jobs; from then on this committer writes neither the index nor a marker.
+        """
+        if self.fence is None:
+            return
+        try:
+            fencing.check_current(self.root, self.fence)
+        except JobSupersededError as e:
+            self.superseded = e
+            raise
+
+    def check_step(self, step: int) -> None:
+        """Before a write of ``step``: :meth:`check_current`, once per step per process (one GET); the process's
+        other writes of the step wait for its answer.
+
+        Raises
+        ------
+        JobSupersededError
+            If a newer job took the root.
+        """
+        with self._checks_lock:
+            check = self._checks.get(step)
+            mine = check is None
+            if check is None:
+                check = self._checks[step] = Future()
+                for old in sorted(self._checks)[:-4]:
+                    del self._checks[old]
+        if mine:
+            try:
+                self.check_current()
+            except BaseException as e:
+                check.set_exception(e)
+            else:
+                check.set_result(None)
+        check.result()
+
+    def raise_if_superseded(self, error: BaseException) -> None:
+        """After a failure of this job: raise :class:`JobSupersededError` (from ``error``) if a newer job took the
+        root (its start-up clean-up may be what made this job's request fail); else return. One GET, on failures
+        only.
+        """
+        if isinstance(error, JobSupersededError) or self.fence is None:
+            return
+        try:
+            self.check_current()
+        except JobSupersededError as e:
+            raise e from error
+        except Exception:  # the storage fails: the original failure says more
+            return
+
     def wait_ready(self, timeout: float) -> None:
-        """Wait until a live job holds the root's lock and has reconciled (ranks other than the committer's,
-        before their first write: the committer's startup clean-up removes step folders it does not know).
+        """Bind this process to its job's token: the newest one whose job is ready (ranks other than the
+        committer's, before their first write: the committer's start-up clean-up removes step folders it does
+        not know). Run after the committer's manager was constructed (as the manager's notes ask), the newest
+        ready token is this job's own.
 
         Raises
         ------
         UncommittedCheckpointError
-            If no live, ready job lock appears within ``timeout`` seconds.
+            If no ready token appears within ``timeout`` seconds.
         """
-        deadline = time.monotonic() + timeout
-        delay = POLL_MIN
-        while True:
-            holder = self._job_holder()
-            if isinstance(holder, dict) and holder.get("ready") is True and not lock_is_stale(holder, time.time()):
-                return
-            if time.monotonic() >= deadline or self.stop.is_set():
-                raise UncommittedCheckpointError(
-                    f"{self.root.url}: the job's committer has not started its manager here within {timeout:.0f} s "
-                    f"(no live, ready {JOB_LOCK_KEY}): a rank writes only once it has, so that the committer's "
-                    "start-up clean-up of unknown step folders never removes a save in progress")
-            self.stop.wait(min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(delay * 2, self.poll_max)
+        self.fence = fencing.wait_ready(self.root, timeout, self.stop)
 
     def _job_holder(self) -> Any:
         """The root's job lock as JSON (None if absent or not JSON)."""
@@ -197,9 +245,12 @@ class Committer:
         if it holds a marker (written by an older reshard), else removed; the
         temporary of an index write that was killed is removed. One
         LIST of the root (per job, not per save), one GET per flagged record and
-        per unknown folder. Ranks of other processes wait for it before their first
-        write (:meth:`wait_ready`): a step folder being written now would be taken
-        for a crashed job's leftover.
+        per unknown folder, and a check of the job's token (one GET) after the LIST
+        and before the deletes: a job superseded while it starts deletes nothing the
+        newer job made (storage is linearizable: what the newer job made after its
+        token is in no listing made before a check that saw no newer token). Ranks of
+        other processes wait for it before their first write (:meth:`wait_ready`): a
+        step folder being written now would be taken for a crashed job's leftover.
         """
         index = read_index(self.root)
         changed = False
@@ -208,11 +259,14 @@ class Committer:
                 index = index.with_step(replace(record, committing=False))
             else:
                 index = index.without({record.step})
+                self.check_current()  # before any delete: a job superseded while it starts removes nothing
                 self.root.delete(step_dir(record.step))
             changed = True
         known = set(index.numbers())
         needed = referenced(index.steps, known)  # retired steps whose objects kept steps reference
-        for name in self.root.list(""):
+        listed = self.root.list("")
+        self.check_current()  # after the listing, before the deletes: nothing the newer job made since is listed
+        for name in listed:
             if name.startswith(f"{INDEX_KEY}.") and name.endswith(".tmp"):  # a crashed index write's temporary
                 self.root.delete(name)
                 continue
@@ -226,6 +280,7 @@ class Committer:
             else:
                 self.root.delete(name)
         if changed:
+            self.check_current()
             write_index(self.root, index)
         self._index = index
         return index
@@ -253,6 +308,7 @@ class Committer:
                 doc = None
             gets += 1
             if doc is not None and doc.get("save_id") == sid:  # else a stale manifest of an earlier attempt
+                self._check_token(step, rank, doc)
                 got[rank] = doc
                 pending.pop(0)
                 delay = POLL_MIN
@@ -270,15 +326,40 @@ class Committer:
         self.last_poll = (gets, waits)
         return got
 
+    def _check_token(self, step: int, rank: int, doc: dict[str, Any]) -> None:
+        """Refuse a manifest written by another job than this one (its fencing token says).
+
+        Raises
+        ------
+        JobSupersededError
+            If a newer job wrote it (this job is superseded).
+        CommitConflictError
+            If an older job (superseded, still running) wrote it: the step is not committed, naming both jobs.
+        """
+        if self.fence is None:
+            return
+        token = fencing.manifest_token(doc)
+        if token == self.fence.token:
+            return
+        if token is not None and token > self.fence.token:
+            self.check_current()  # raises, naming the newer job
+        where = self.root.child(step_dir(step)).url
+        raise CommitConflictError(
+            f"{where}: rank {rank}'s manifest was written by {fencing.describe_token(self.root, token)}, not by this "
+            f"job, {self.fence.describe()}: a superseded job still saves this step; step {step} is not committed "
+            "(a step never holds ranks of two jobs)")
+
     def commit_step(self, step: int, expected: list[int], metrics: dict[str, float] | None = None) -> StepRecord:
         """Wait for the ranks of ``step``, commit it, index it, apply retention."""
         try:
             manifests = self.poll(step, expected)
+            self.check_current()  # one GET: a superseded job writes neither the index nor a marker
             record = StepRecord(step=step, time=time.time(), metrics=dict(metrics or {}),
                                 refs=referenced_steps(manifests), committing=True)
             self._index = self.index.with_step(record)
             write_index(self.root, self._index)  # before the marker: readers confirm it by the marker
-            marker = commit(self.root.child(step_dir(step)), save_id=str(step), manifests=manifests)
+            marker = commit(self.root.child(step_dir(step)), save_id=str(step), manifests=manifests,
+                            before_marker=self.check_current)  # and again last: the window is one request
         except BaseException as e:
             self.record_failure(step, f"{type(e).__name__}: {e}")
             raise
@@ -300,13 +381,14 @@ class Committer:
     def record_failure(self, step: int, message: str) -> None:
         """Say in the index that ``step`` was given up (waiting ranks raise with ``message``)."""
         found = self.index.get(step)
-        if found is not None and not found.committing:
+        if self.superseded or (found is not None and not found.committing):  # the index is a newer job's now
             return  # committed already (e.g. a repeated save of it was refused): nothing was abandoned
         self._abandoned.add(step)
         try:
+            self.check_current()  # one GET, on failures only: a newer job's index is not this job's to write
             self._index = self.index.without({step}).with_failure(step, message)
             write_index(self.root, self._index)
-        except Exception:  # the original failure is what the caller raises
+        except Exception:  # the original failure is what the caller raises (superseded: explained by the manager)
             pass
 
 

@@ -3,6 +3,8 @@
 Layout of a root::
 
     root/manager.json          the index: committed steps and their metrics (committer only)
+    root/.reshard/fence/       job tokens: the newest job owns the root (:mod:`reshard.store.commit.fence`)
+    root/manager.lock          the owning job's liveness hint (host, pid, heartbeat): messages only
     root/step-<N>/             one ordinary reshard checkpoint per step (rs.open reads it)
     root/step-<N>/gen-<N>/...  its save (shards, manifests, metadata)
 
@@ -27,7 +29,7 @@ from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import numpy as np
-from reshard.layouts.errors import CheckpointNotFoundError, UncommittedCheckpointError
+from reshard.layouts.errors import CheckpointNotFoundError, JobSupersededError, UncommittedCheckpointError
 
 from ..format.grid import writes_any
 from ..format.manifests import read_manifest
@@ -144,12 +146,13 @@ class CheckpointManager:
         #: Ranks of this process write once the committer has reconciled (another process's committer: waited for).
         self._ready = layouts is None or self.committer_rank in process_ranks(rank, self.committer_rank)
         if layouts is not None and self.committer_rank in process_ranks(rank, self.committer_rank):
-            self.committer.take_job_lock()  # one job per root: a second one is refused here
+            self.committer.take_job_lock()  # this job's fencing token: any earlier job on the root is superseded
             try:
                 self.committer.reconcile()
                 self.committer.renew_job_lock(ready=True)  # the other processes' ranks may write now
-            except BaseException:
+            except BaseException as e:
                 self.committer.release_job_lock()
+                self.committer.raise_if_superseded(e)  # a newer job's start-up removed what this one wrote?
                 raise
             self._heartbeat = threading.Thread(target=self._renew_job_lock, name="reshard-job-lock", daemon=True)
             self._heartbeat.start()
@@ -188,6 +191,8 @@ class CheckpointManager:
             The failure of an earlier background write or commit of this process.
         """
         self.raise_errors()
+        if self.committer.superseded is not None:  # every later save too: this job owns the root no more
+            raise JobSupersededError(str(self.committer.superseded))
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
         if self.layouts is None:
@@ -234,6 +239,10 @@ class CheckpointManager:
         try:
             self._write(step, rank, state, staged)
         except BaseException as e:
+            try:
+                self.committer.raise_if_superseded(e)
+            except JobSupersededError as superseded:
+                e = superseded
             written.set_exception(e)
         else:
             written.set_result(None)
@@ -259,8 +268,10 @@ class CheckpointManager:
     def _write(self, step: int, rank: int, state: dict[str, Any], staged: Any) -> None:
         try:
             if not self._ready:
-                self.committer.wait_ready(self.committer.timeout)
+                self.committer.wait_ready(self.committer.timeout)  # binds this process to its job's token
                 self._ready = True
+            else:  # one GET per step per process, in this writer thread: the caller's save sends nothing
+                self.committer.check_step(step)
             if staged is not None:
                 staged.ready()
             self._writer(step).write(rank, state)
@@ -283,8 +294,10 @@ class CheckpointManager:
         for _ in range(BASE_TRIES):
             base = self._base(step)
             try:
+                fence = self.committer.fence
                 return CheckpointWriter(f"{self.url}/{step_dir(step)}", self.layouts, save_id=str(step),
-                                        storage_options=self.storage_options, base=base, **self.options)
+                                        storage_options=self.storage_options, base=base,
+                                        fence=None if fence is None else fence.token, **self.options)
             except UncommittedCheckpointError:
                 if base is None:
                     raise
@@ -319,7 +332,7 @@ class CheckpointManager:
         return (commit is not None and not commit.done()) or last is None or step > last
 
     def _renew_job_lock(self) -> None:
-        """Heartbeat of the root's job lock, until the manager closes."""
+        """Heartbeat of the root's liveness hint (and a token check), until the manager closes."""
         while not self._closing.wait(JOB_LEASE / 4):
             try:
                 self.committer.renew_job_lock()
@@ -334,7 +347,11 @@ class CheckpointManager:
         except BaseException as e:
             self.committer.record_failure(step, f"the committer's own write failed: {type(e).__name__}: {e}")
             raise
-        return self.committer.commit_step(step, self._expected_for(step), metrics)
+        try:
+            return self.committer.commit_step(step, self._expected_for(step), metrics)
+        except BaseException as e:
+            self.committer.raise_if_superseded(e)
+            raise
 
     def _expected_for(self, step: int) -> list[int]:
         if self.expected:

@@ -31,16 +31,18 @@ import numpy as np
 from reshard.layouts import Layout, all_ranks
 from reshard.layouts.errors import (
     CheckpointExistsError,
+    FormatError,
     LayoutError,
     ShapeMismatchError,
 )
 
+from ..commit.fence import MANIFEST_FIELD, manifest_token
 from ..commit.locks import Lease
 from ..commit.marker import Marker, generation_of, read_marker, save_id_of
 from ..commit.protocol import commit
 from ..format.dtypes import dtype_name
 from ..format.encode import encode_shard
-from ..format.manifests import has_written, manifest_key, rank_manifest
+from ..format.manifests import has_written, manifest_key, rank_manifest, read_manifest
 from ..format.meta import DEFAULT_CHUNK_BYTES, ArrayMeta, tensor_path
 from ..format.refs import DEFAULT_OBJECT_BYTES, PACKED_DIR, check_form
 from ..format.schema import check_names, with_digest
@@ -79,6 +81,7 @@ class CheckpointWriter:
         base: str | None = None,
         durable: bool = True,
         balance: bool = True,
+        fence: int | None = None,
     ) -> None:
         if engine not in ("fast", "tensorstore"):
             raise ValueError(f"writer engine must be 'fast' or 'tensorstore', got {engine!r}")
@@ -127,6 +130,9 @@ class CheckpointWriter:
         #: What array records depend on, for many writers (index: single_writer).
         #: Whether a replicated block is cut among its holders (:func:`reshard.store.format.grid.balanced_grid`).
         self.balance = bool(balance)
+        #: The fencing token of the job writing (a manager's saves; :mod:`reshard.store.commit.fence`), recorded in
+        #: every manifest this writer writes; None outside a manager.
+        self.fence = fence
         self._settings = tuple(Settings(self.grid, self.chunk_bytes, checksums, compression, single, self.balance)
                                for single in (False, True))
         self._written: set[int] = set()
@@ -216,6 +222,8 @@ class CheckpointWriter:
         self._lease.renew(check=True)  # after that check: a save_id gc collected is refused, never reused
         metas = {n: p.meta for n, p in plans.items()}
         manifest = rank_manifest(rank, self.save_id, metas, leaves, {n: p.record for n, p in plans.items()})
+        if self.fence is not None:
+            manifest[MANIFEST_FIELD] = self.fence
         self._known.update((n, (p.record, p.meta)) for n, p in plans.items())
         mine = [(p, tensors[n]) for n, p in sorted(plans.items(), key=_geometry) if p.at(rank).writes]
         if self.form == "packed":  # one object: the shards back to back, then the manifest
@@ -243,13 +251,28 @@ class CheckpointWriter:
     def _check_not_written(self, rank: int) -> None:
         """Refuse a rank whose manifest an earlier, uncommitted attempt of this save left behind.
 
-        Its other ranks' manifests may be there too: committing would mix two attempts.
+        Its other ranks' manifests may be there too: committing would mix two attempts. A writer with a
+        fencing token overwrites what a rank of another (superseded) job left: its committer refuses that
+        job's manifests anyway (:func:`reshard.store.commit.fence.check_one_job`).
         """
-        if rank not in self._written and has_written(self.storage, rank, self.form):
+        if rank not in self._written and has_written(self.storage, rank, self.form) \
+                and not self._left_by_another_job(rank):
             raise CheckpointExistsError(
                 f"{self.root.url}: rank {rank} already wrote save_id {self.save_id!r} (an earlier attempt that "
                 "was not committed?). Save under a new save_id; `reshard gc "
                 f"{self.root.url} --min-age 0` removes the attempt (its save_id is then never used again here)")
+
+    def _left_by_another_job(self, rank: int) -> bool:
+        """Whether ``rank``'s manifest here was left by an older job (a lower fencing token than this writer's,
+        or none): this job's write replaces it. A newer job's is never replaced."""
+        if self.fence is None:
+            return False
+        try:
+            found = read_manifest(self.storage, rank, self.form, tensors=False)
+        except (FileNotFoundError, FormatError):  # gone meanwhile, or a torn leftover
+            return True
+        token = manifest_token(found)
+        return token is None or token < self.fence
 
     @gc_paused()
     def write_block(self, meta: ArrayMeta, region: tuple[slice, ...], data: np.ndarray) -> None:

@@ -185,6 +185,19 @@ def read_back(backend: Backend) -> dict[str, Any]:
     return out
 
 
+def step_manifests(url: str, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Every rank's manifest of the save committed at ``url`` (a manager's step folder), as its commit read them."""
+    from reshard.store.commit.marker import generation_storage, read_marker
+    from reshard.store.format.manifests import read_manifests
+    from reshard.store.io.storage import Storage
+
+    root = Storage(url, storage_options)
+    found = read_marker(root)
+    assert found is not None, f"{url} is not committed"
+    marker = found[0]
+    return list(read_manifests(generation_storage(root, marker), marker.save_id, marker.ranks).values())
+
+
 def same(got: dict[str, Any], want: dict[str, Any]) -> bool:
     """Bit for bit: the same names, dtypes, shapes and bytes; equal leaves."""
     if set(got) != set(want):

@@ -4,7 +4,7 @@
   and readers read snapshots (``check_current=False``) and the current checkpoint;
 * a process running retention (a manager saving with ``max_to_keep=1``) or ``gc`` is
   killed with SIGKILL at a random moment, and the restarted job lists and reads;
-* two jobs (real processes) on one manager root;
+* (two jobs on one manager root: ``test_fence.py``, where the second takes the root over);
 * incremental managers saving steps back to back, async, with retention.
 
 Every outcome is counted: **intact** (the data read is what was saved under that
@@ -221,45 +221,6 @@ def test_kill_9_during_gc(backend: Backend, form: str) -> None:
         outcome, bad = _read_outcome(lambda: read_back(backend), [state])
         tally.add(f"after gc again: {outcome}", bad=None if outcome == "intact" else f"trial {trial}: {outcome}")
         tally.counts["ms in the killed gc"] += int(1000 * (time.perf_counter() - t0))
-    tally.check()
-
-
-# ------------------------------------------------------------------- two jobs, one root
-def test_two_jobs_on_one_root(backend: Backend) -> None:
-    if not backend.shared:
-        pytest.skip(f"{backend.name}: other processes cannot see this backend")
-    tally = Tally(f"lifecycle-two-jobs[{backend.name}]")
-    opts = backend.storage_options
-    count = trials(ci=1, soak=10)
-    for trial in range(count):
-        base = 100 * trial
-        go = os.pipe()
-
-        def job_a(base: int = base, go: tuple[int, int] = go) -> None:
-            with rs.CheckpointManager(backend.url, STEP_LAYOUTS, max_to_keep=3, storage_options=opts) as mgr:
-                os.write(go[1], b"1")  # holds the root now
-                for s in range(base + 1, base + 4):
-                    _save_step(mgr, s)
-                    mgr.wait(committed=True, timeout=HANG_S)
-                    time.sleep(0.2)
-
-        pid = fork(job_a)
-        os.read(go[0], 1)
-        how, err = attempt(lambda: rs.CheckpointManager(backend.url, STEP_LAYOUTS, storage_options=opts))
-        if how == "refused" and isinstance(err, rs.CommitConflictError):
-            tally.add("second job refused, clear error")
-        else:
-            tally.add("second job", bad=f"trial {trial}: a second job on the root was not refused: {how} {err!r}")
-            if how == "ok":
-                err.close()
-        if reap(pid, HANG_S) is None:
-            tally.add("hang", bad=f"trial {trial}: job A did not end")
-        os.close(go[0])
-        os.close(go[1])
-        got = rs.CheckpointManager(backend.url, storage_options=opts).steps()
-        if got[-3:] != [base + 1, base + 2, base + 3]:
-            tally.add("index", bad=f"trial {trial}: job A's committed steps are not all listed: {got}")
-        _check_steps(backend.url, opts, tally, trial)
     tally.check()
 
 
