@@ -700,7 +700,9 @@ def _with_map_tensor(path: Path, tag: str) -> None:
     path.write_bytes(path.read_bytes() + pw.encode([(1, value)]))
 
 
-def test_map_tensors_are_refused_unless_skipped_and_then_recorded(tmp_path: Path) -> None:
+def test_map_tensors_are_refused_unless_skipped_and_then_recorded(tmp_path: Path, capsys: Any) -> None:
+    from reshard.store.cli import main
+
     src = _copy_ranks(DATA / "redundant", tmp_path / "src")
     for rank in (0, 2):
         _with_map_tensor(src / f"rank_{rank}" / "net.ckpt", "emb.table")
@@ -716,6 +718,11 @@ def test_map_tensors_are_refused_unless_skipped_and_then_recorded(tmp_path: Path
     assert "emb.table" not in ckpt.arrays
     assert [r["name"] for r in ckpt.leaves["reshard.skipped"]] == ["emb.table"]
     np.testing.assert_array_equal(ckpt["w1"].read(), _expected()["w1"])
+    assert main(["import", "mindspore", str(src), str(tmp_path / "cli"), "--strategy",
+                 str(DATA / "strategy.ckpt"), "--skip", "emb.table"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "cli")]) == 0
+    assert "skipped at import: emb.table: map tensor 'emb.table'" in capsys.readouterr().out
 
 
 def test_damaged_protobuf_errors_name_the_file(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -17,7 +17,7 @@ from reshard.layouts.errors import (
 
 from ...format.tree import to_json
 from ...write.writer import create, single_process
-from ..sources import local_path, refuse_empty
+from ..sources import Skips, local_path, refuse_empty
 from .arrays import key_name
 
 
@@ -37,7 +37,8 @@ def _orbax_layout(meta: Any) -> Layout:
     return Layout.single(shape)
 
 
-def import_orbax(src: str, dst: str, *, step: int | None = None, **options: Any) -> dict[str, Any]:
+def import_orbax(src: str, dst: str, *, step: int | None = None, skip: Sequence[str] = (),
+                 **options: Any) -> dict[str, Any]:
     """Convert an Orbax checkpoint (``StandardCheckpointer``/``PyTreeCheckpointer``) to reshard.
 
     Orbax's metadata gives the tree, shapes, dtypes and saving shardings;
@@ -57,6 +58,11 @@ def import_orbax(src: str, dst: str, *, step: int | None = None, **options: Any)
         The new checkpoint.
     step : int, optional
         For a ``CheckpointManager`` root: the step to import.
+    skip : sequence of str
+        Leaves of kinds reshard does not read (not arrays, scalars or strings) which the import
+        may leave out (globs or dotted prefixes, :class:`~reshard.store.frontends.sources.Skips`);
+        any other raises :class:`FormatError` naming it. What is skipped is recorded in the leaf
+        ``reshard.skipped``.
     **options
         As for :func:`reshard.store.create`.
 
@@ -94,7 +100,7 @@ def import_orbax(src: str, dst: str, *, step: int | None = None, **options: Any)
     layouts: dict[str, Layout] = {}
     stored: dict[str, Any] = {}
     leaves: dict[str, Any] = {}
-    skipped = []
+    skips = Skips(skip)
     strings = None
     for keypath, meta in _flatten_metadata(tree):
         name = key_name(keypath)
@@ -107,9 +113,10 @@ def import_orbax(src: str, dst: str, *, step: int | None = None, **options: Any)
             strings = strings if strings is not None else json.loads((path / "_strings.json").read_text())
             leaves[name] = strings[meta.name]
         else:
-            warnings.warn(f"import_orbax: skipping {name!r} ({kind})", stacklevel=2)
-            skipped.append(name)
-    refuse_empty("Orbax", path, len(layouts), f" (found {len(leaves)} scalars, skipped {len(skipped)})")
+            skips.add(name, f"{path}: leaf {name!r}", f"its metadata is a {kind}, which reshard does not read")
+    refuse_empty("Orbax", path, len(layouts), f" (found {len(leaves)} scalars, {len(skips.records)} others)")
+    skips.check()
+    leaves.update(skips.leaves())
     writer = create(dst, layouts, **single_process(options))
     total = 0
     metas = {}
@@ -122,7 +129,7 @@ def import_orbax(src: str, dst: str, *, step: int | None = None, **options: Any)
             total += data.nbytes
     writer.write_manifests(metas, leaves)
     writer.commit()
-    return {"tensors": len(layouts), "leaves": len(leaves), "bytes": total, "skipped": skipped,
+    return {"tensors": len(layouts), "leaves": len(leaves), "bytes": total, "skipped": skips.names(),
             "source": str(path), "step": step}
 
 

@@ -121,8 +121,9 @@ def import_mindspore(src_dir: str | os.PathLike[str] | Mapping[int, Any], dst_ur
     -----
     Every file's headers are scanned first, and every copy of a block compared
     (nothing is written if anything disagrees); then the ranks are written one
-    at a time, each file memory mapped while its rank writes. Each block is read once, from the first
-    replica (in replica order) whose file holds the tensor: with
+    at a time, each file memory mapped while its rank writes. Each block is
+    written once, from the first replica (in replica order) whose file holds
+    the tensor: with
     ``remove_redundancy=True`` MindSpore saves each block in one replica's file
     only, and any replica's file may lack it or be missing.
     """
