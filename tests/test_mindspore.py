@@ -557,6 +557,21 @@ def test_per_rank_safetensors_import_and_export(tmp_path: Path) -> None:
     np.testing.assert_array_equal(again["adam_m.w1"].read(), _expected()["adam_m.w1"])
 
 
+def test_safetensors_rank_files_keep_their_string_values(tmp_path: Path) -> None:
+    """A str value goes into a safetensors rank file's __metadata__ (write_safetensors, export_mindspore); the
+    import dropped it silently (issue 35): it is a leaf again, as from a .ckpt file."""
+    from reshard.store.frontends.mindspore.ckpt import write_safetensors
+
+    for rank in range(4):
+        values = ms.read_file(DATA / "safetensors" / f"rank_{rank}" / "net.safetensors")
+        write_safetensors(tmp_path / "src" / f"rank_{rank}" / "net.safetensors", {**values, "note": "run 7"})
+    assert ms.file_headers(tmp_path / "src" / "rank_0" / "net.safetensors")["note"] == ((), "str")
+    ckpt = ms.import_mindspore(tmp_path / "src", str(tmp_path / "ck"), DATA / "strategy.ckpt")
+    assert ckpt.leaves["note"] == "run 7"
+    files = ms.export_mindspore(ckpt, tmp_path / "st", DATA / "strategy.ckpt", format="safetensors")
+    assert ms.read_file(files[1])["note"] == "run 7"
+
+
 def test_exported_safetensors_load_in_mindspore(tmp_path: Path) -> None:
     mindspore = pytest.importorskip("mindspore", reason="MindSpore is not installed (optional; CI has none)")
     ckpt = ms.import_mindspore(DATA / "safetensors", str(tmp_path / "ck"), DATA / "strategy.ckpt")
@@ -645,7 +660,7 @@ def test_a_strategy_naming_absurd_device_counts_is_refused_before_allocating(tmp
     path = tmp_path / "strategy.json"
     path.write_text(json.dumps(doc))
     with pytest.raises(rs.FormatError, match=r"strategy\.json: strategy entry 'w1': dev_matrix \[2, 1099511627776\] "
-                       r"\(pipeline stage 0\) names 2199023255552 devices, more than max_devices=65536"):
+                       r"\(pipeline stage 0\) names 2199023255552 devices, more than max_devices=262144"):
         ms.import_mindspore(DATA / "redundant", str(tmp_path / "x"), path)
     assert not (tmp_path / "x").exists()
     with pytest.raises(rs.FormatError, match="strategy entry 'w1'"):

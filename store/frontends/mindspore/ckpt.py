@@ -21,8 +21,9 @@ file, unless the caller skips them (``skip_maps``; the import does when its
 MindSpore >= 2.4 also writes per-rank safetensors files
 (``save_checkpoint(..., format="safetensors")``,
 ``transform_checkpoints(..., output_format="safetensors")``): a standard
-safetensors file with ``{"format": "ms"}`` metadata. :func:`file_headers`,
-:func:`read_file` and :func:`write_file` handle either kind by the file's suffix.
+safetensors file with ``{"format": "ms"}`` metadata, whose other entries are the
+file's ``str`` values. :func:`file_headers`, :func:`read_file` and :func:`write_file`
+handle either kind by the file's suffix.
 """
 
 from __future__ import annotations
@@ -267,11 +268,18 @@ def is_safetensors(path: str | os.PathLike[str]) -> bool:
     return str(path).endswith(".safetensors")
 
 
+def _strings(metadata: Mapping[str, str]) -> dict[str, str]:
+    """A safetensors rank file's ``str`` values: its ``__metadata__`` but MindSpore's own ``format``."""
+    return {k: v for k, v in metadata.items() if k not in MS_METADATA}
+
+
 def file_headers(path: str | os.PathLike[str]) -> dict[str, Header]:
-    """``{name: (shape, dtype name)}`` of a ``.ckpt`` or ``.safetensors`` rank file, headers only."""
+    """``{name: (shape, dtype name or "str")}`` of a ``.ckpt`` or ``.safetensors`` rank file, headers only."""
     if not is_safetensors(path):
         return ckpt_headers(path)
-    return {e.name: (e.shape, e.dtype) for e in read_header(path).entries}
+    header = read_header(path)
+    strings: dict[str, Header] = {k: ((), "str") for k in _strings(header.metadata)}
+    return {**{e.name: (e.shape, e.dtype) for e in header.entries}, **strings}
 
 
 def read_file(path: str | os.PathLike[str], *, check_crc: bool = True, skip_maps: bool = False) -> dict[str, Any]:
@@ -280,10 +288,11 @@ def read_file(path: str | os.PathLike[str], *, check_crc: bool = True, skip_maps
     if not is_safetensors(path):
         return read_ckpt(path, check_crc=check_crc, skip_maps=skip_maps)
     data = _map(path)
+    header = read_header(path)
     out: dict[str, Any] = {}
-    for e in read_header(path).entries:
+    for e in header.entries:
         out[e.name] = np.frombuffer(data[e.start:e.start + e.nbytes], numpy_dtype(e.dtype)).reshape(e.shape)
-    return out
+    return {**out, **_strings(header.metadata)}
 
 
 def write_safetensors(path: str | os.PathLike[str], values: Mapping[str, Any],
