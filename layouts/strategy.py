@@ -40,10 +40,10 @@ OPTIMIZER_PREFIXES = ("moments.", "adam_m.", "adam_v.", "accum.", "mean_grad.", 
 ACCU_GRADS_PREFIX = "accu_grads."
 
 _STAGED = re.compile(r"^(\d+)-(.+)$")
-#: The most global ranks a strategy entry may name (its stage's and those before it). Checked before a layout
-#: lists its ranks: a damaged or hostile ``dev_matrix`` (``[2, 2**40]``) is a :class:`FormatError`, not a
-#: ``MemoryError``. MindSpore jobs have thousands of devices; pass ``max_devices`` for more.
-MAX_DEVICES = 1 << 16
+#: The most global ranks a strategy entry may name (its stage's and those before it), the format's limit on a
+#: layout's mesh (docs/reliability.md). Checked before a layout lists its ranks: a damaged or hostile
+#: ``dev_matrix`` (``[2, 2**40]``) is a :class:`FormatError`, not a ``MemoryError``.
+MAX_DEVICES = 1 << 18
 
 
 def _split_key(key: str) -> tuple[int, str]:
