@@ -166,6 +166,30 @@ def test_moe_import_with_skip_records_what_was_left_out(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["skipped"] == skipped
 
 
+def test_docs_moe_recipe_runs_as_written(tmp_path, monkeypatch, capsys):
+    """docs/megatron.md's MoE commands, each line run through the CLI next to a copy of the sample."""
+    import shlex
+
+    from reshard.store.cli import main
+    from test_docs import DOCS, blocks
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(MOE, tmp_path / "moe_dp_reshardable")
+    recipe = next(b for b in blocks((DOCS / "megatron.md").read_text()) if "--skip 'chained_*'" in b.code)
+    codes, outs = [], []
+    for line in recipe.code.splitlines():
+        words = shlex.split(line, comments=True)
+        assert words[0] == "reshard", line
+        codes.append(main(words[1:]))
+        outs.append(capsys.readouterr())
+    assert codes == [1, 0, 0]
+    assert "chained_0.optimizer.distributed" in outs[0].err and "chained_1.optimizer.distributed" in outs[0].err
+    assert "skipped at import: chained_0.optimizer.distributed: " in outs[2].out
+    names = set(rs.open("rs-moe"))  # the weights, nothing undecoded
+    assert "decoder.layers.mlp.experts.experts.linear_fc2.weight" in names
+    assert not any(n.startswith(("chained_", "optimizer.")) for n in names)
+
+
 def test_a_common_entry_that_is_not_json_is_refused_unless_skipped(tmp_path):
     import torch
 
