@@ -274,7 +274,8 @@ def test_a_name_given_twice_in_a_header_is_refused(tmp_path: Path) -> None:
         sf.read_header(nested)
 
 
-def test_metadata_that_shards_disagree_on_is_refused_unless_skipped(tmp_path: Path, capsys: Any) -> None:
+def test_metadata_that_shards_disagree_on_is_refused_unless_skipped(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     """Each file's __metadata__ entry went into one leaf, the first file's value kept and the others' dropped."""
     ok = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
     hf = tmp_path / "hf"
@@ -291,5 +292,7 @@ def test_metadata_that_shards_disagree_on_is_refused_unless_skipped(tmp_path: Pa
     ckpt = sf.import_safetensors(hf, str(tmp_path / "x"), skip=["__metadata__.run"])
     assert ckpt.leaves["__metadata__"] == {"run": "a"}
     assert [r["name"] for r in ckpt.leaves["reshard.skipped"]] == ["__metadata__.run"]
+    capsys.readouterr()
     assert main(["import", "safetensors", str(hf), str(tmp_path / "y"), "--skip", "__metadata__"]) == 0
+    assert '"skipped": ["__metadata__.run"]' in capsys.readouterr().out
     assert rs.open(str(tmp_path / "y")).leaves["reshard.skipped"][0]["name"] == "__metadata__.run"

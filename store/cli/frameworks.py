@@ -125,6 +125,14 @@ def _report(what: str, args: argparse.Namespace, t0: float, result: Any) -> int:
     return 0
 
 
+def _opened(ckpt: Any) -> dict[str, Any]:
+    """What an import that returns the opened checkpoint reports: its tensors, bytes and what it skipped."""
+    from ..format.tree import SKIPPED_LEAF
+
+    skipped = ckpt.leaves.get(SKIPPED_LEAF, [])
+    return {"tensors": len(ckpt), "bytes": ckpt.nbytes, "skipped": [r["name"] for r in skipped]}
+
+
 def _import_dcp(args: argparse.Namespace) -> int:
     from ..frontends.torch import import_dcp
 
@@ -144,7 +152,7 @@ def _import_mindspore(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()  # the strategy by its path: errors name the file
     ckpt = import_mindspore(args.src, args.dst, args.strategy, file_name=args.file, **_options(args))
-    return _report("MindSpore checkpoint", args, t0, {"tensors": len(ckpt), "bytes": ckpt.nbytes})
+    return _report("MindSpore checkpoint", args, t0, _opened(ckpt))
 
 
 def _import_deepspeed(args: argparse.Namespace) -> int:
@@ -179,7 +187,7 @@ def _import_safetensors(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     options = _options(args)  # -S applies to SRC and DST alike
     ckpt = import_safetensors(args.src, args.dst, src_storage_options=options["storage_options"], **options)
-    return _report("safetensors", args, t0, {"tensors": len(ckpt), "bytes": ckpt.nbytes})
+    return _report("safetensors", args, t0, _opened(ckpt))
 
 
 def _sbp_arg(text: str) -> Any:
