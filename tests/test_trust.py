@@ -317,3 +317,17 @@ def test_a_metadata_pickle_the_unpickler_refuses_names_the_file(tmp_path):
     (tmp_path / "src" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
     with pytest.raises(rs.FormatError, match=r"src/\.metadata: .*os\.system"):
         import_megatron(str(tmp_path / "src"), str(tmp_path / "x"))
+
+
+def test_a_pickled_npz_array_names_the_file(tmp_path):
+    """An object array in a OneFlow npz folder: numpy refuses to unpickle it; the error names the file and array."""
+    (tmp_path / "rank0").mkdir()
+    np.savez(tmp_path / "rank0" / "tensors.npz", w=np.ones(2), obj=np.array([{"a": 1}], dtype=object))
+    from reshard.store.frontends.oneflow import load_npz
+
+    assert main(["import", "oneflow", str(tmp_path / "rank0"), str(tmp_path / "ck")]) == 1
+
+    for headers_only in (True, False):
+        with pytest.raises(rs.FormatError, match=r"rank0/tensors\.npz: array 'obj': .*(pickle|Object arrays)"):
+            load_npz(tmp_path / "rank0", headers_only=headers_only)
+    assert not (tmp_path / "ck").exists()
