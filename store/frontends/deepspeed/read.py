@@ -244,8 +244,8 @@ def import_deepspeed(src: str, dst: str, *, tag: str | None = None, tp_split: Ma
         dim, ``"replicated"`` or ``"average"`` (see :mod:`.tp`); before the save's own
         ``universal_checkpoint_info``.
     skip : sequence of str
-        Model-state entries that are not plain data which the import may leave out of the
-        ``deepspeed`` leaf (globs or dotted prefixes, :class:`~reshard.store.frontends.sources.Skips`);
+        Model-state (and ``optimizer_state_dict``) entries that are not plain data which the
+        import may leave out of the ``deepspeed`` leaf (globs or dotted prefixes, :class:`~reshard.store.frontends.sources.Skips`);
         any other raises :class:`FormatError` naming it and its file. What is skipped is
         recorded in the leaf ``reshard.skipped``.
     **options
