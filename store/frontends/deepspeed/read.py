@@ -245,9 +245,9 @@ def import_deepspeed(src: str, dst: str, *, tag: str | None = None, tp_split: Ma
         ``universal_checkpoint_info``.
     skip : sequence of str
         Model-state (and ``optimizer_state_dict``) entries that are not plain data which the
-        import may leave out of the ``deepspeed`` leaf (globs or dotted prefixes, :class:`~reshard.store.frontends.sources.Skips`);
-        any other raises :class:`FormatError` naming it and its file. What is skipped is
-        recorded in the leaf ``reshard.skipped``.
+        import may leave out of the ``deepspeed`` leaf (globs or dotted prefixes,
+        :class:`~reshard.store.frontends.sources.Skips`); any other raises :class:`FormatError`
+        naming it and its file. What is skipped is recorded in the leaf ``reshard.skipped``.
     **options
         As for :func:`reshard.store.create`.
 

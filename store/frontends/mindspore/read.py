@@ -219,7 +219,7 @@ def _check_copies(chosen: Mapping[str, Layout], holders: Mapping[str, Mapping[in
     for r in sorted(copies):
         values = read_file(files[r], check_crc=check_crc, skip_maps=True)
         for name, block in copies[r]:
-            digest = hashlib.sha256(np.ascontiguousarray(values[name]).reshape(-1).view(np.uint8)).digest()
+            digest = hashlib.sha256(np.ascontiguousarray(values[name]).reshape(-1).view(np.uint8).data).digest()
             seen = first.setdefault((name, block), (r, digest))
             if seen[1] != digest:
                 strat = layout_for(name, layouts, prefixes)
