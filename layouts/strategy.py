@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -39,11 +40,19 @@ OPTIMIZER_PREFIXES = ("moments.", "adam_m.", "adam_v.", "accum.", "mean_grad.", 
 ACCU_GRADS_PREFIX = "accu_grads."
 
 _STAGED = re.compile(r"^(\d+)-(.+)$")
+#: The most global ranks a strategy entry may name (its stage's and those before it), the format's limit on a
+#: layout's mesh (docs/reliability.md). Checked before a layout lists its ranks: a damaged or hostile
+#: ``dev_matrix`` (``[2, 2**40]``) is a :class:`FormatError`, not a ``MemoryError``.
+MAX_DEVICES = 1 << 18
 
 
 def _split_key(key: str) -> tuple[int, str]:
     m = _STAGED.match(key)
     return (int(m.group(1)), m.group(2)) if m else (0, key)
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _make(
@@ -53,7 +62,15 @@ def _make(
     shape: Sequence[int],
     opt_size: int,
     stage: int,
+    max_devices: int = MAX_DEVICES,
 ) -> Layout:
+    if not all(_integer(d) and d >= 1 for d in dev) or not all(_integer(n) and n >= 0 for n in shape):
+        raise FormatError(f"strategy entry {name!r}: dev_matrix {list(dev)} and tensor_shape {list(shape)} must be "
+                          "positive (dev_matrix) and non-negative (shape) integers")
+    if (stage + 1) * math.prod(dev) > max_devices:
+        raise FormatError(f"strategy entry {name!r}: dev_matrix {list(dev)} (pipeline stage {stage}) names "
+                          f"{(stage + 1) * math.prod(dev)} devices, more than max_devices={max_devices}: not a "
+                          "strategy of a real job")
     try:
         layout = Layout.from_mindspore(dev, tmap, shape, None, None, stage)
         if opt_size > 0:
@@ -74,7 +91,7 @@ def _flat(value: Any) -> list[Any]:
     return list(value) if isinstance(value, list | tuple) else []
 
 
-def _parse_json(obj: Mapping[str, Any], shapes: Mapping[str, Sequence[int]]) -> dict[str, Layout]:
+def _parse_json(obj: Mapping[str, Any], shapes: Mapping[str, Sequence[int]], max_devices: int) -> dict[str, Layout]:
     items = obj.get("parallel_layout_item", obj)
     if not isinstance(items, Mapping):
         raise FormatError("strategy JSON 'parallel_layout_item' must be an object")
@@ -94,7 +111,7 @@ def _parse_json(obj: Mapping[str, Any], shapes: Mapping[str, Sequence[int]]) -> 
             tmap = tmap[0]  # the protobuf-like wrapping [[...]]
         opt = int(item.get("opt_weight_shard_size", 0) or 0)
         if name not in out:  # a parameter shared by stages: keep its first stage
-            out[name] = _make(key, dev, tmap, shape, opt, stage)
+            out[name] = _make(key, dev, tmap, shape, opt, stage, max_devices)
     return out
 
 
@@ -103,7 +120,7 @@ def _dims(msg: dict[int, list[tuple[int, pw.Value]]], number: int, is_signed: bo
     return [pw.ints(pw.fields(v).get(1, []), is_signed) for _, v in msg.get(number, []) if not isinstance(v, int)]
 
 
-def _parse_proto(data: bytes, shapes: Mapping[str, Sequence[int]]) -> dict[str, Layout]:
+def _parse_proto(data: bytes, shapes: Mapping[str, Sequence[int]], max_devices: int) -> dict[str, Layout]:
     out: dict[str, Layout] = {}
     top = pw.fields(data)
     for wire, item in top.get(3, []):
@@ -126,13 +143,15 @@ def _parse_proto(data: bytes, shapes: Mapping[str, Sequence[int]]) -> dict[str, 
             shape = splits[0]
         opt = pw.ints(lay.get(7, []))
         if name not in out:
-            out[name] = _make(key, devs[0], tmaps[0], shape, opt[-1] if opt else 0, stage)
+            out[name] = _make(key, devs[0], tmaps[0], shape, opt[-1] if opt else 0, stage, max_devices)
     return out
 
 
 def parse_strategy(
     data: bytes | bytearray | str | Mapping[str, Any],
     shapes: Mapping[str, Sequence[int]] | None = None,
+    *,
+    max_devices: int = MAX_DEVICES,
 ) -> dict[str, Layout]:
     """Layouts of every parameter of a MindSpore strategy file.
 
@@ -143,6 +162,9 @@ def parse_strategy(
     shapes : mapping of str to tuple of int, optional
         Global shapes by parameter name (or ``"<stage>-<name>"`` key); needed
         for protobuf files unless ``param_split_shape`` holds the shape.
+    max_devices : int
+        The most global ranks an entry may name (:data:`MAX_DEVICES`), checked
+        before its layout is built.
 
     Returns
     -------
@@ -152,20 +174,21 @@ def parse_strategy(
     Raises
     ------
     FormatError
-        Bytes that are neither form, or entries that are incomplete.
+        Bytes that are neither form, entries that are incomplete, or that name
+        more than ``max_devices`` devices.
     """
     shapes = shapes or {}
     if isinstance(data, Mapping):
-        return _parse_json(data, shapes)
+        return _parse_json(data, shapes, max_devices)
     if isinstance(data, (bytes, bytearray)) and not bytes(data[:64]).lstrip().startswith(b"{"):
-        return _parse_proto(bytes(data), shapes)
+        return _parse_proto(bytes(data), shapes, max_devices)
     try:
         obj = json.loads(data)
     except ValueError as e:
         raise FormatError(f"strategy JSON does not parse: {e}") from None
     if not isinstance(obj, Mapping):
         raise FormatError(f"strategy JSON must be an object, got {type(obj).__name__}")
-    return _parse_json(obj, shapes)
+    return _parse_json(obj, shapes, max_devices)
 
 
 def layout_for(name: str, layouts: Mapping[str, Layout],

@@ -342,3 +342,36 @@ def test_real_deepspeed_tensor_parallel(tmp_path):
         assert set(again) == set(first)
         for name in first:
             np.testing.assert_array_equal(again[name].read(), first[name].read(), err_msg=f"tp {tp} dp {dp}: {name}")
+
+
+def test_model_state_entries_that_are_not_data_are_refused_unless_skipped(tmp_path):
+    """Issue 35: a model-states entry that is not plain data (here a tensor) was left out of the leaf silently."""
+    build_save(tmp_path / "ck" / "s", 2, 2, extra={"lr_scheduler": {"table": torch.arange(3)}})
+    with pytest.raises(FormatError, match=r"model states entry 'lr_scheduler' \(in .*s/mp_rank_00_model_states\.pt\): "
+                       r"it holds a tensor of shape \[3\], not plain data.*--skip lr_scheduler"):
+        import_deepspeed(str(tmp_path / "ck"), str(tmp_path / "x"))
+    assert not (tmp_path / "x").exists()
+    done = import_deepspeed(str(tmp_path / "ck"), str(tmp_path / "x"), skip=["lr_scheduler"])
+    assert done["skipped"] == ["lr_scheduler"]
+    leaves = rs.open(str(tmp_path / "x")).leaves
+    assert "lr_scheduler" not in leaves["deepspeed"]["model_states"]
+    assert leaves["reshard.skipped"][0]["name"] == "lr_scheduler"
+
+
+def test_a_pickle_the_restricted_unpickler_refuses_names_the_file(tmp_path):
+    """A pickle opcode torch's scan does not know surfaced as a bare 'UnpicklingError: Unsupported operand 149'."""
+    import pickle
+    import zipfile
+
+    build_save(tmp_path / "ck" / "s", 2, 2)
+    path = tmp_path / "ck" / "s" / "mp_rank_00_model_states.pt"
+    with zipfile.ZipFile(path) as z:
+        entries = {i.filename: z.read(i) for i in z.infolist()}
+    pkl = next(n for n in entries if n.endswith("/data.pkl"))
+    entries[pkl] = pickle.dumps({"module": {}}, protocol=4)  # FRAME, SHORT_BINUNICODE: outside torch's scan
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in entries.items():
+            z.writestr(name, data)
+    with pytest.raises(FormatError, match=r"mp_rank_00_model_states\.pt is not a torch\.save archive reshard reads "
+                       r"\(UnpicklingError: Unsupported operand"):
+        import_deepspeed(str(tmp_path / "ck"), str(tmp_path / "x"))

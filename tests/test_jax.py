@@ -47,6 +47,12 @@ def test_orbax_import_resolves_paths_and_refuses_empty_imports(tmp_path: Path) -
     _run("orbax_paths", tmp_path)
 
 
+def test_orbax_scalars_that_are_not_json_are_refused_unless_skipped(tmp_path: Path) -> None:
+    """Issue 35: a complex scalar ended the import in a bare TypeError naming no file; now it is named, or skipped
+    on request and recorded."""
+    _run("orbax_skip", tmp_path)
+
+
 # ------------------------------------------------------------ in the subprocess
 def _values() -> dict[str, np.ndarray]:
     import ml_dtypes
@@ -282,6 +288,37 @@ def scenario_orbax_paths(tmp: Path) -> None:
     with contextlib.redirect_stdout(out):
         assert main(["import", "orbax", "runs", "ck2"]) == 0
     assert '"step": 5' in out.getvalue(), out.getvalue()
+
+
+def scenario_orbax_skip(tmp: Path) -> None:
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+    import reshard.store as rs
+    from reshard.store.frontends import jax as rj
+
+    ocp.PyTreeCheckpointer().save(tmp / "src", {"w": jnp.arange(4.0), "phase": np.complex64(1 + 2j), "step": 3})
+    try:
+        rj.import_orbax(str(tmp / "src"), str(tmp / "ck"))
+    except rs.FormatError as e:
+        assert f"{tmp / 'src'}: scalar 'phase': it is a complex64, which is not JSON" in str(e), e
+    else:
+        raise AssertionError("a complex scalar was imported or dropped")
+    assert not (tmp / "ck").exists()
+    report = rj.import_orbax(str(tmp / "src"), str(tmp / "ck"), skip=["phase"])
+    assert report["skipped"] == ["phase"], report
+    ckpt = rs.open(str(tmp / "ck"))
+    assert ckpt.leaves["step"] == 3 and ckpt.leaves["reshard.skipped"][0]["name"] == "phase"
+    np.testing.assert_array_equal(ckpt.read("w"), np.arange(4.0))
+    checkpointer = ocp.StandardCheckpointer()  # saves the complex number as a 0-d array: refused, named, unwritten
+    checkpointer.save(tmp / "array", {"w": jnp.arange(4.0), "phase": np.complex64(1 + 2j)})
+    checkpointer.wait_until_finished()
+    try:
+        rj.import_orbax(str(tmp / "array"), str(tmp / "ck2"))
+    except rs.DTypeMismatchError as e:
+        assert f"{tmp / 'array'}: array 'phase': dtype complex64 is not supported" in str(e), e
+    else:
+        raise AssertionError("a complex array was imported")
+    assert not (tmp / "ck2").exists()
 
 
 if __name__ == "__main__":

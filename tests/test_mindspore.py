@@ -302,12 +302,17 @@ def test_64_devices_to_56_and_to_1(tmp_path: Path) -> None:
             "global_step": np.array(1000, np.int32)}
     for rank in range(64):
         values = _expected_64(rank, full)
-        if rank:  # replicas hold garbage: only rank 0's copy may be read
+        if rank == 37:  # a replica that differs: refused, naming both copies, before anything is written
             values["emb"] = np.full((64, 8), -1, ml_dtypes.bfloat16)
         ms.write_ckpt(tmp_path / "src" / f"rank_{rank}" / f"net_rank{rank}.ckpt", values, crc=rank % 2 == 0)
     sample = pb_read(tmp_path / "src" / "rank_9" / "net_rank9.ckpt")
     np.testing.assert_array_equal(sample["b"], _expected_64(9, full)["b"])
     src_strategy = pb_strategy({"w": ([8, 8], [1, 0], 0), "b": ([8, 8], [0], 8), "emb": ([8, 8], [-1, -1], 0)})
+    with pytest.raises(rs.FormatError, match=r"'emb': its copies of the block \[\[0, 64\], \[0, 8\]\] differ: "
+                       r"rank 0's .*rank_0/net_rank0.ckpt and rank 37's .*rank_37/net_rank37.ckpt"):
+        ms.import_mindspore(tmp_path / "src", str(tmp_path / "ckpt"), src_strategy)
+    assert not (tmp_path / "ckpt").exists()
+    ms.write_ckpt(tmp_path / "src" / "rank_37" / "net_rank37.ckpt", _expected_64(37, full))
 
     ckpt = ms.import_mindspore(tmp_path / "src", str(tmp_path / "ckpt"), src_strategy)
     assert ckpt["b"].layout.opt_sharded and ckpt["adam_m.b"].layout.opt_group_size == 8
@@ -552,6 +557,21 @@ def test_per_rank_safetensors_import_and_export(tmp_path: Path) -> None:
     np.testing.assert_array_equal(again["adam_m.w1"].read(), _expected()["adam_m.w1"])
 
 
+def test_safetensors_rank_files_keep_their_string_values(tmp_path: Path) -> None:
+    """A str value goes into a safetensors rank file's __metadata__ (write_safetensors, export_mindspore); the
+    import dropped it silently (issue 35): it is a leaf again, as from a .ckpt file."""
+    from reshard.store.frontends.mindspore.ckpt import write_safetensors
+
+    for rank in range(4):
+        values = ms.read_file(DATA / "safetensors" / f"rank_{rank}" / "net.safetensors")
+        write_safetensors(tmp_path / "src" / f"rank_{rank}" / "net.safetensors", {**values, "note": "run 7"})
+    assert ms.file_headers(tmp_path / "src" / "rank_0" / "net.safetensors")["note"] == ((), "str")
+    ckpt = ms.import_mindspore(tmp_path / "src", str(tmp_path / "ck"), DATA / "strategy.ckpt")
+    assert ckpt.leaves["note"] == "run 7"
+    files = ms.export_mindspore(ckpt, tmp_path / "st", DATA / "strategy.ckpt", format="safetensors")
+    assert ms.read_file(files[1])["note"] == "run 7"
+
+
 def test_exported_safetensors_load_in_mindspore(tmp_path: Path) -> None:
     mindspore = pytest.importorskip("mindspore", reason="MindSpore is not installed (optional; CI has none)")
     ckpt = ms.import_mindspore(DATA / "safetensors", str(tmp_path / "ck"), DATA / "strategy.ckpt")
@@ -618,3 +638,117 @@ def test_accu_grads_take_the_model_parallel_layout_without_optimizer_sharding(tm
     got = pb_read(files[3])
     assert got["adam_m.w"].shape == (4, 2) and got["accu_grads.w"].shape == (8, 2)
     np.testing.assert_array_equal(got["accu_grads.w"], full["accu_grads.w"][:, 2:])
+
+
+# ----------------------------------------------------------- strategies and files that disagree (issue 35)
+
+
+def _copy_ranks(src: Path, dst: Path, change: dict[int, dict[str, Any]] | None = None) -> Path:
+    """The real redundant save's rank files under ``dst``, rank r's values updated with ``change[r]``."""
+    for rank in range(4):
+        values = dict(ms.read_ckpt(src / f"rank_{rank}" / "net.ckpt"))
+        values.update((change or {}).get(rank, {}))
+        ms.write_ckpt(dst / f"rank_{rank}" / "net.ckpt", values)
+    return dst
+
+
+def test_a_strategy_naming_absurd_device_counts_is_refused_before_allocating(tmp_path: Path) -> None:
+    """dev_matrix [2, 2**40] once listed 2**41 ranks (MemoryError); now it is named, nothing allocated."""
+    from reshard.layouts import parse_strategy
+
+    doc = {"parallel_layout_item": {"w1": {"dev_matrix": [2, 2**40], "tensor_map": [1, -1], "tensor_shape": [8, 4]}}}
+    path = tmp_path / "strategy.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(rs.FormatError, match=r"strategy\.json: strategy entry 'w1': dev_matrix \[2, 1099511627776\] "
+                       r"\(pipeline stage 0\) names 2199023255552 devices, more than max_devices=262144"):
+        ms.import_mindspore(DATA / "redundant", str(tmp_path / "x"), path)
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(rs.FormatError, match="strategy entry 'w1'"):
+        parse_strategy(pb_strategy({"w1": ([2**16, 2**16], [1, -1], 0)}, {"w1": [8, 4]}))  # uint32 dims
+    doc["parallel_layout_item"]["w1"]["dev_matrix"] = [2, 4]
+    assert parse_strategy(json.dumps(doc))["w1"].mesh == (2, 4)
+    with pytest.raises(rs.FormatError, match="names 8 devices, more than max_devices=4"):
+        parse_strategy(json.dumps(doc), max_devices=4)
+
+
+def test_a_strategy_whose_shape_contradicts_the_files_is_refused(tmp_path: Path) -> None:
+    """w1 is [8, 4] cut in two row blocks; a strategy saying [4, 4] made each file's [4, 4] piece look like a whole
+    copy, and rank 0's became the tensor (ranks 2 and 3's rows dropped). The copies are compared now."""
+    layouts = ms.load_strategy(DATA / "strategy.ckpt", {n: v.shape for n, v in _expected().items()})
+    layouts["w1"] = Layout.from_mindspore([2, 2], [1, -1], [4, 4])
+    path = tmp_path / "wrong.json"
+    path.write_bytes(dump_strategy(layouts))
+    with pytest.raises(rs.FormatError, match=r"'w1': its copies of the block \[\[0, 4\], \[0, 4\]\] differ: rank 0's "
+                       r".*redundant/rank_0/net\.ckpt and rank 2's .*redundant/rank_2/net\.ckpt .*the strategy's "
+                       r".* of shape \[4, 4\] does not give them"):
+        ms.import_mindspore(DATA / "redundant", str(tmp_path / "x"), path)
+    assert not (tmp_path / "x").exists()
+    layouts["w1"] = Layout.from_mindspore([2, 2], [1, -1], [16, 4])  # pieces smaller than it gives: by shape
+    path.write_bytes(dump_strategy(layouts))
+    with pytest.raises(rs.ShapeMismatchError, match=r"'w1': rank 0's file holds shape \[4, 4\] \(.*rank_0/net\.ckpt\), "
+                       r"strategy .* of shape \[16, 4\] gives it \[8, 4\]"):
+        ms.import_mindspore(DATA / "redundant", str(tmp_path / "x"), path)
+
+
+def test_replicas_that_differ_are_refused_naming_both_ranks(tmp_path: Path) -> None:
+    """global_step is in no strategy entry: one copy per rank file, compared now, not taken from rank 0 alone;
+    w2 is replicated by the strategy: the same."""
+    src = _copy_ranks(DATA / "redundant", tmp_path / "src", {3: {"global_step": np.array([7], np.int32)}})
+    with pytest.raises(rs.FormatError, match=r"'global_step': its copies of the block \[\[0, 1\]\] differ: rank 0's "
+                       r".*rank_0/net\.ckpt and rank 3's .*rank_3/net\.ckpt \(copies of a block must be equal\)$"):
+        ms.import_mindspore(src, str(tmp_path / "x"), DATA / "strategy.ckpt")
+    w2 = ms.read_ckpt(DATA / "redundant" / "rank_1" / "net.ckpt")["w2"]
+    src = _copy_ranks(DATA / "redundant", tmp_path / "src2", {1: {"w2": w2 + 1}})
+    with pytest.raises(rs.FormatError, match=r"'w2': its copies .* rank 0's .* and rank 1's"):
+        ms.import_mindspore(src, str(tmp_path / "x"), DATA / "strategy.ckpt")
+    assert not (tmp_path / "x").exists()
+    ok = ms.import_mindspore(_copy_ranks(DATA / "redundant", tmp_path / "same"), str(tmp_path / "ok"),
+                             DATA / "strategy.ckpt")
+    np.testing.assert_array_equal(ok["w1"].read(), _expected()["w1"])
+
+
+def _with_map_tensor(path: Path, tag: str) -> None:
+    """Append a MapParameter Value (``maptensor``, field 3 of checkpoint.proto's Value) to a .ckpt file."""
+    from reshard.layouts import _protowire as pw
+
+    value = pw.encode([(1, tag), (3, pw.encode([(1, 2), (2, b"\x00" * 8)]))])
+    path.write_bytes(path.read_bytes() + pw.encode([(1, value)]))
+
+
+def test_map_tensors_are_refused_unless_skipped_and_then_recorded(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from reshard.store.cli import main
+
+    src = _copy_ranks(DATA / "redundant", tmp_path / "src")
+    for rank in (0, 2):
+        _with_map_tensor(src / f"rank_{rank}" / "net.ckpt", "emb.table")
+    with pytest.raises(rs.FormatError, match=r"map tensor 'emb\.table' \(a MapParameter\) in .*rank_0/net\.ckpt, "
+                       r".*rank_2/net\.ckpt: reshard does not decode map tensors"):
+        ms.import_mindspore(src, str(tmp_path / "x"), DATA / "strategy.ckpt")
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(rs.FormatError, match=r"rank_0/net\.ckpt: 'emb\.table' is a map tensor"):
+        ms.read_ckpt(src / "rank_0" / "net.ckpt")
+    assert "emb.table" not in ms.read_ckpt(src / "rank_0" / "net.ckpt", skip_maps=True)
+
+    ckpt = ms.import_mindspore(src, str(tmp_path / "x"), DATA / "strategy.ckpt", skip=["emb.*"])
+    assert "emb.table" not in ckpt.arrays
+    assert [r["name"] for r in ckpt.leaves["reshard.skipped"]] == ["emb.table"]
+    np.testing.assert_array_equal(ckpt["w1"].read(), _expected()["w1"])
+    assert main(["import", "mindspore", str(src), str(tmp_path / "cli"), "--strategy",
+                 str(DATA / "strategy.ckpt"), "--skip", "emb.table"]) == 0
+    assert '"skipped": ["emb.table"]' in capsys.readouterr().out
+    assert main(["inspect", str(tmp_path / "cli")]) == 0
+    assert "skipped at import: emb.table: map tensor 'emb.table'" in capsys.readouterr().out
+
+
+def test_damaged_protobuf_errors_name_the_file(tmp_path: Path) -> None:
+    cut = tmp_path / "cut.ckpt"
+    cut.write_bytes((DATA / "redundant" / "rank_0" / "net.ckpt").read_bytes()[:100])
+    with pytest.raises(rs.FormatError, match=r"^.*cut\.ckpt: protobuf"):
+        ms.ckpt_headers(cut)
+    with pytest.raises(rs.FormatError, match=r"^.*cut\.ckpt: protobuf"):
+        ms.read_ckpt(cut, check_crc=False)
+    strategy = tmp_path / "cut_strategy.ckpt"
+    strategy.write_bytes((DATA / "strategy.ckpt").read_bytes()[:40])
+    with pytest.raises(rs.FormatError, match=r"^.*cut_strategy\.ckpt: "):
+        ms.load_strategy(strategy, {n: v.shape for n, v in _expected().items()})

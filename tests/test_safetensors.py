@@ -252,3 +252,47 @@ def test_import_streams_one_tensor_at_a_time(tmp_path: Path) -> None:
     assert growth < 16 * 2**20, growth / 2**20  # the file is 48 MiB; one tensor 2 MiB
     ckpt = rs.open(str(tmp_path / "ck"))
     np.testing.assert_array_equal(ckpt["layer.23.w"][-1, :4].read(), np.full(4, 23, np.float32))
+
+
+# ------------------------------------------------------------------ issue 35: nothing dropped silently
+def test_a_name_given_twice_in_a_header_is_refused(tmp_path: Path) -> None:
+    """The last entry used to win; safetensors 0.8 keeps the last too when the data is covered. Refused, named."""
+    ok = '{"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}'
+    second = '{"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}'
+    raw = f'{{"a": {ok}, "b": {second}, "a": {ok}}}'.encode()
+    raw += b" " * (-len(raw) % 8)
+    path = tmp_path / "twice.safetensors"
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + np.arange(4, dtype=np.float32).tobytes())
+    with pytest.raises(rs.FormatError, match=r"twice\.safetensors: the safetensors header names 'a' twice"):
+        sf.import_safetensors(path, str(tmp_path / "x"))
+    assert not (tmp_path / "x").exists()
+    nested = _raw(tmp_path / "meta.safetensors", {}, b"")
+    head = b'{"__metadata__": {"k": "1", "k": "2"}, "a": ' + ok.encode() + b"}"
+    head += b" " * (-len(head) % 8)
+    nested.write_bytes(len(head).to_bytes(8, "little") + head + b"\0" * 8)
+    with pytest.raises(rs.FormatError, match=r"meta\.safetensors: the safetensors header names 'k' twice"):
+        sf.read_header(nested)
+
+
+def test_metadata_that_shards_disagree_on_is_refused_unless_skipped(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Each file's __metadata__ entry went into one leaf, the first file's value kept and the others' dropped."""
+    ok = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    for i, run in enumerate(("a", "b")):
+        _raw(hf / f"model-0000{i + 1}-of-00002.safetensors", {"__metadata__": {"run": run}, f"w{i}": ok}, b"\0" * 8)
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "w0": "model-00001-of-00002.safetensors", "w1": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(rs.FormatError, match=r"model-00002-of-00002\.safetensors: __metadata__ entry 'run': its value "
+                       r"differs from the one in .*model-00001-of-00002\.safetensors"):
+        sf.import_safetensors(hf, str(tmp_path / "x"))
+    assert main(["import", "safetensors", str(hf), str(tmp_path / "x")]) == 1
+    assert not (tmp_path / "x").exists()
+    ckpt = sf.import_safetensors(hf, str(tmp_path / "x"), skip=["__metadata__.run"])
+    assert ckpt.leaves["__metadata__"] == {"run": "a"}
+    assert [r["name"] for r in ckpt.leaves["reshard.skipped"]] == ["__metadata__.run"]
+    capsys.readouterr()
+    assert main(["import", "safetensors", str(hf), str(tmp_path / "y"), "--skip", "__metadata__"]) == 0
+    assert '"skipped": ["__metadata__.run"]' in capsys.readouterr().out
+    assert rs.open(str(tmp_path / "y")).leaves["reshard.skipped"][0]["name"] == "__metadata__.run"

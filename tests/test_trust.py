@@ -278,3 +278,56 @@ def test_a_failed_npz_export_leaves_no_unraisable_errors(tmp_path):
     assert b"Exception ignored" not in done.stderr, done.stderr.decode()[-2000:]
     assert b"'b'" in done.stderr + done.stdout
     assert not (tmp_path / "out.npz").exists()
+
+
+# ------------------------------------------------------------ issue 35: no import exits 0 having skipped state
+def test_dcp_items_that_are_not_json_are_refused_unless_skipped(tmp_path, monkeypatch, capsys):
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+    from reshard.store.frontends.torch.dcp import import_dcp
+
+    monkeypatch.chdir(tmp_path)
+    dcp.save({"w": torch.arange(4.0), "tags": {1, 2}}, checkpoint_id=str(tmp_path / "src"))
+    with pytest.raises(rs.FormatError, match=r"src: item 'tags' \(in __0_0\.distcp\): it holds .*set is not JSON.*"
+                       r"Nothing was written; pass skip=\['tags'\]"):
+        import_dcp("src", "ck")
+    assert main(["import", "dcp", "src", "ck"]) == 1 and not (tmp_path / "ck").exists()
+    assert main(["import", "dcp", "src", "ck", "--skip", "tags"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", "ck"]) == 0
+    assert "skipped at import: tags: " in capsys.readouterr().out
+    assert rs.open(str(tmp_path / "ck")).leaves["reshard.skipped"][0]["why"].startswith("it holds leaf 'tags'")
+
+
+def test_a_metadata_pickle_the_unpickler_refuses_names_the_file(tmp_path):
+    torch = pytest.importorskip("torch")
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from reshard.store.frontends.megatron import import_megatron
+    from reshard.store.frontends.torch.dcp import import_dcp
+
+    dcp.save({"w": torch.arange(4.0)}, checkpoint_id=str(tmp_path / "src"))
+    (tmp_path / "src" / ".metadata").write_bytes(pickle.dumps([1] * 3, protocol=4)[:-3])  # truncated
+    with pytest.raises(rs.FormatError, match=r"src/\.metadata: not a readable DCP \.metadata file \(UnpicklingError"):
+        import_dcp(str(tmp_path / "src"), str(tmp_path / "x"))
+    (tmp_path / "src" / ".metadata").write_bytes(b"cos\nsystem\n(S'true'\ntR.")  # refused, never run
+    with pytest.raises(rs.FormatError, match=r"src/\.metadata: .*os\.system, which reshard does not load"):
+        import_dcp(str(tmp_path / "src"), str(tmp_path / "x"))
+    (tmp_path / "src" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    with pytest.raises(rs.FormatError, match=r"src/\.metadata: .*os\.system"):
+        import_megatron(str(tmp_path / "src"), str(tmp_path / "x"))
+
+
+def test_a_pickled_npz_array_names_the_file(tmp_path):
+    """An object array in a OneFlow npz folder: numpy refuses to unpickle it; the error names the file and array."""
+    (tmp_path / "rank0").mkdir()
+    np.savez(tmp_path / "rank0" / "tensors.npz", w=np.ones(2), obj=np.array([{"a": 1}], dtype=object))
+    from reshard.store.frontends.oneflow import load_npz
+
+    assert main(["import", "oneflow", str(tmp_path / "rank0"), str(tmp_path / "ck")]) == 1
+
+    for headers_only in (True, False):
+        with pytest.raises(rs.FormatError, match=r"rank0/tensors\.npz: array 'obj': .*(pickle|Object arrays)"):
+            load_npz(tmp_path / "rank0", headers_only=headers_only)
+    assert not (tmp_path / "ck").exists()

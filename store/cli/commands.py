@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..format.meta import ArrayMeta
-from ..format.tree import json_leaves
+from ..format.tree import SKIPPED_LEAF, json_leaves
 from ..read.display import human_bytes
 from ..read.graph.schedule import progress_bar
 
@@ -138,7 +138,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     data = {"url": ckpt.url, "committed": ckpt.committed, "save_id": ckpt.save_id, "form": ckpt.form,
             "zarr_url": ckpt.zarr_url if ckpt.form == "directory" else None,  # packed: no zarr folder
             "references_url": ckpt.references_url, "tensors": info, "leaves": json_leaves(ckpt.leaves),
-            "totals": totals}
+            "totals": totals, "skipped": _skipped(ckpt.leaves)}
     if args.json:
         emit(args, data, "")
         return 0
@@ -159,12 +159,27 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for r in (head, *rows):
         print("  ".join(c.rjust(w) if i >= 4 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
               .rstrip())
-    leaves = ", ".join(f"{k}={summarize_leaf(v)}" for k, v in ckpt.leaves.items())
+    leaves = ", ".join(f"{k}={summarize_leaf(v)}" for k, v in ckpt.leaves.items() if k != SKIPPED_LEAF)
     print(f"total: {totals['tensors']} tensors, {human_bytes(totals['nbytes'])}, {totals['shards']} shards"
           + (f"; leaves: {leaves}" if leaves else ""))
+    for record in data["skipped"]:
+        print(f"skipped at import: {_skip_line(record)}")
     for text in ckpt.conflicts:
         print(f"conflict: {text} (commit would refuse this save)")
     return 0
+
+
+def _skipped(leaves: Any) -> list[Any]:
+    """What an import left out (:data:`SKIPPED_LEAF`), as a list of records."""
+    found = leaves.get(SKIPPED_LEAF, [])
+    return found if isinstance(found, list) else [found]
+
+
+def _skip_line(record: Any) -> str:
+    """One record of :data:`SKIPPED_LEAF` as text (any JSON: the leaf is the file's, not trusted)."""
+    if isinstance(record, dict):
+        return f"{record.get('name')!s}: {record.get('what')!s}: {record.get('why')!s}"
+    return json.dumps(record)
 
 
 #: Leaves whose JSON is longer than this are summarized in ``inspect``'s footer.

@@ -38,6 +38,10 @@ def register_import(subparsers: Any, common: argparse.ArgumentParser) -> None:
         p = sub.add_parser(name, parents=[common], help=row.import_help, description=row.import_help)
         row.import_args(p)
         p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
+        p.add_argument("--skip", action="append", default=[], metavar="PATTERN",
+                       help="let the import leave out what it does not decode whose name matches PATTERN (a glob, "
+                            "or a dotted prefix; repeatable), recorded in the leaf reshard.skipped; without it, "
+                            "anything not decoded is an error naming it")
         p.set_defaults(func=_flags(row.run_import), parser=p)
 
 
@@ -123,7 +127,8 @@ def _other_format(args: argparse.Namespace, error: str) -> str:
 def _options(args: argparse.Namespace) -> dict[str, Any]:
     from .commands import storage_options
 
-    return {"storage_options": storage_options(args.storage_option), "overwrite": args.overwrite}
+    return {"storage_options": storage_options(args.storage_option), "overwrite": args.overwrite,
+            "skip": tuple(args.skip)}
 
 
 def _report(what: str, args: argparse.Namespace, t0: float, result: Any) -> int:
@@ -132,6 +137,14 @@ def _report(what: str, args: argparse.Namespace, t0: float, result: Any) -> int:
     src = " ".join(args.src) if isinstance(args.src, list) else args.src
     print(f"imported {what} {src} -> {args.dst} in {seconds:.2f} s {detail}".rstrip())
     return 0
+
+
+def _opened(ckpt: Any) -> dict[str, Any]:
+    """What an import that returns the opened checkpoint reports: its tensors, bytes and what it skipped."""
+    from ..format.tree import SKIPPED_LEAF
+
+    skipped = ckpt.leaves.get(SKIPPED_LEAF, [])
+    return {"tensors": len(ckpt), "bytes": ckpt.nbytes, "skipped": [r["name"] for r in skipped]}
 
 
 def _import_dcp(args: argparse.Namespace) -> int:
@@ -149,14 +162,11 @@ def _import_orbax(args: argparse.Namespace) -> int:
 
 
 def _import_mindspore(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from ..frontends.mindspore import import_mindspore
 
-    t0 = time.perf_counter()
-    strategy = Path(args.strategy).read_bytes() if args.strategy is not None else None
-    ckpt = import_mindspore(args.src, args.dst, strategy, file_name=args.file, **_options(args))
-    return _report("MindSpore checkpoint", args, t0, {"tensors": len(ckpt), "bytes": ckpt.nbytes})
+    t0 = time.perf_counter()  # the strategy by its path: errors name the file
+    ckpt = import_mindspore(args.src, args.dst, args.strategy, file_name=args.file, **_options(args))
+    return _report("MindSpore checkpoint", args, t0, _opened(ckpt))
 
 
 def _import_deepspeed(args: argparse.Namespace) -> int:
@@ -191,7 +201,7 @@ def _import_safetensors(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     options = _options(args)  # -S applies to SRC and DST alike
     ckpt = import_safetensors(args.src, args.dst, src_storage_options=options["storage_options"], **options)
-    return _report("safetensors", args, t0, {"tensors": len(ckpt), "bytes": ckpt.nbytes})
+    return _report("safetensors", args, t0, _opened(ckpt))
 
 
 def _sbp_arg(text: str) -> Any:
@@ -235,7 +245,9 @@ def _import_oneflow(args: argparse.Namespace) -> int:
     heads = {rank: known(load_local(src, headers_only=True)) for rank, src in zip(flat, args.src, strict=True)}
     shapes = global_shapes(heads, ranks, spec)
     refuse_empty("OneFlow", " ".join(args.src), len(shapes))
-    options = single_process(_options(args))  # every rank's part from this one process: one fresh save_id
+    # every rank's part from this one process: one fresh save_id; OneFlow's reader refuses what it does not decode,
+    # so --skip has nothing to leave out
+    options = single_process({k: v for k, v in _options(args).items() if k != "skip"})
     for i, (rank, src) in enumerate(zip(flat, args.src, strict=True)):
         save_oneflow(known(load_local(src)), args.dst, ranks, spec, rank=rank, shapes=shapes,
                      commit=i == len(flat) - 1, **options)

@@ -98,6 +98,11 @@ def to_json(value: Any, name: str) -> Any:
     return value
 
 
+#: The leaf where an import records what it left out, undecoded (``[{"name", "what", "why"}, ...]``; see
+#: :class:`reshard.store.frontends.sources.Skips`); ``reshard inspect`` shows it.
+SKIPPED_LEAF = "reshard.skipped"
+
+
 def json_leaves(leaves: Mapping[str, Any]) -> dict[str, Any]:
     """``{name: to_json(value)}``: leaves as they are stored (what every JSON document of a save holds)."""
     return {name: to_json(value, name) for name, value in leaves.items()}

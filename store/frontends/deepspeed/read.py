@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -42,7 +42,7 @@ from reshard.layouts.errors import CheckpointNotFoundError, FormatError, Unsuppo
 
 from ...format.torch_arrays import to_numpy
 from ...write.writer import create, single_process
-from ..sources import local_path, refuse_empty
+from ..sources import Skips, local_path, refuse_empty
 from ..torch.pt_files import Stub, load_pt, plain
 from .tp import Rules, block_layout, full_shape, join, tp_layout
 
@@ -145,7 +145,9 @@ class DeepSpeedFiles:
                   if f in files]
         if not states:
             raise FormatError(f"{folder}: no model states file (mp_rank_{mp:02d}_model_states.pt)")
-        self.model = load_pt(os.path.join(folder, states[0]))
+        #: The model states file and the optimizer files (by data-parallel rank), as paths.
+        self.model_file, self.optim_files = os.path.join(folder, states[0]), dict(found)
+        self.model = load_pt(self.model_file)
         if not isinstance(self.model, Mapping):
             raise FormatError(f"{folder}/{states[0]} holds a {type(self.model).__name__}, not a dict")
         self.optim = [load_pt(found[r]) for r in range(self.dp)]
@@ -225,7 +227,7 @@ class DeepSpeedFiles:
 
 
 def import_deepspeed(src: str, dst: str, *, tag: str | None = None, tp_split: Mapping[str, Any] | None = None,
-                     **options: Any) -> dict[str, Any]:
+                     skip: Sequence[str] = (), **options: Any) -> dict[str, Any]:
     """Convert a DeepSpeed ZeRO-1/2/3 checkpoint into a reshard checkpoint (see the module docstring).
 
     Parameters
@@ -241,14 +243,18 @@ def import_deepspeed(src: str, dst: str, *, tag: str | None = None, tp_split: Ma
         match ``pattern`` (:func:`re.match`, the first that matches wins) are split over the TP ranks: a
         dim, ``"replicated"`` or ``"average"`` (see :mod:`.tp`); before the save's own
         ``universal_checkpoint_info``.
+    skip : sequence of str
+        Model-state (and ``optimizer_state_dict``) entries that are not plain data which the
+        import may leave out of the ``deepspeed`` leaf (globs or dotted prefixes,
+        :class:`~reshard.store.frontends.sources.Skips`); any other raises :class:`FormatError`
+        naming it and its file. What is skipped is recorded in the leaf ``reshard.skipped``.
     **options
         As for :func:`reshard.store.create`.
 
     Returns
     -------
     dict
-        ``{"tensors", "bytes", "stage", "dp", "tp", "skipped"}``; ``skipped`` names model-state
-        entries that are not JSON (left out of the ``deepspeed`` leaf).
+        ``{"tensors", "bytes", "stage", "dp", "tp", "skipped"}``; ``skipped`` names what was left out.
     """
     folder = tag_folder(src, tag)
     prefix, grid = scan(folder)
@@ -322,7 +328,10 @@ def import_deepspeed(src: str, dst: str, *, tag: str | None = None, tp_split: Ma
         arrays[f"module.{name}"] = whole
         resolved.setdefault(name, mrule)
     refuse_empty("DeepSpeed", ds.folder, len(layouts))
-    leaves, skipped = _leaves(ds, groups)
+    skips = Skips(skip)
+    leaves = _leaves(ds, groups, skips)
+    skips.check()
+    leaves.update(skips.leaves())
     if tp > 1:
         leaves["deepspeed"].update(tp=tp, tp_rules=resolved)
     writer = create(dst, layouts, **single_process(options))
@@ -343,7 +352,7 @@ def import_deepspeed(src: str, dst: str, *, tag: str | None = None, tp_split: Ma
         total += whole.nbytes
     writer.write_manifests(metas, leaves)
     writer.commit()
-    return {"tensors": len(layouts), "bytes": total, "stage": ds.stage, "dp": ds.dp, "tp": tp, "skipped": skipped}
+    return {"tensors": len(layouts), "bytes": total, "stage": ds.stage, "dp": ds.dp, "tp": tp, "skipped": skips.names()}
 
 
 def _state(states: list[dict[str, Any]], g: int, key: str, ds: DeepSpeedFiles, rank: int) -> Any:
@@ -388,26 +397,26 @@ def _gather(name: str, lay: FlatLayout, t: int, buf: FlatBuffer, per_rank: list[
     return out.reshape(lay.shape)
 
 
-def _leaves(ds: DeepSpeedFiles, groups: list[dict[str, Any]]) -> tuple[dict[str, Any], list[str]]:
-    skipped = []
+def _leaves(ds: DeepSpeedFiles, groups: list[dict[str, Any]], skips: Skips) -> dict[str, Any]:
     model: dict[str, Any] = {}
     for key, value in ds.model.items():
         if key in ("module", "optimizer", "param_shapes"):
             continue
         try:
             model[key] = plain(value)
-        except TypeError:
-            skipped.append(key)
+        except TypeError as e:
+            skips.add(key, f"model states entry {key!r} (in {ds.model_file})", f"it holds {e}, not plain data")
     osd = ds.osd[0]
     optim = {}
     for key in ("dynamic_loss_scale", "overflow", "clip_grad", "ds_version", "loss_scaler"):
         if key in osd:
             try:
                 optim[key] = plain(osd[key])
-            except TypeError:
-                skipped.append(f"optimizer_state_dict.{key}")
+            except TypeError as e:
+                skips.add(f"optimizer_state_dict.{key}", f"optimizer_state_dict entry {key!r} (in {ds.optim_files[0]})",
+                          f"it holds {e}, not plain data")
     info = {"stage": ds.stage, "dp": ds.dp, "file_prefix": ds.prefix, "groups": groups, "model_states": model,
             "optimizer": optim,
             "ds_config": plain(ds.optim[0].get("ds_config")) if "ds_config" in ds.optim[0] else None,
             "ds_version": plain(ds.optim[0].get("ds_version"))}
-    return {"deepspeed": info}, skipped
+    return {"deepspeed": info}

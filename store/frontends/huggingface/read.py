@@ -33,7 +33,7 @@ import itertools
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
@@ -48,7 +48,7 @@ from ...read.checkpoint import Checkpoint
 from ...read.export import FILES_LEAF, METADATA_LEAF, SAFETENSORS_DTYPES
 from ...read.open import open as open_checkpoint
 from ...write.writer import create, single_process
-from ..sources import refuse_empty
+from ..sources import Skips, refuse_empty
 from .folder import INDEX_NAME, collect_files
 
 if TYPE_CHECKING:
@@ -84,6 +84,19 @@ class Header:
 
 
 # ------------------------------------------------------------------ reading
+class _DuplicateKey(ValueError):
+    """A JSON object naming one key twice (a safetensors header that is ambiguous: refused)."""
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict, refusing a key given twice (``json.loads(object_pairs_hook=...)``)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
 def _fs(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any, str]:
     import fsspec
 
@@ -97,8 +110,8 @@ def read_header(path: str | os.PathLike[str], storage_options: Mapping[str, Any]
     ------
     FormatError
         Not a safetensors file, or a header that breaks the format's rules
-        (sizes, offsets outside the data, overlapping tensors), naming the
-        file and the tensor.
+        (sizes, offsets outside the data, overlapping tensors, a name given
+        twice), naming the file and the tensor.
     DTypeMismatchError
         A dtype reshard does not store (``F8_E8M0``, complex...).
     """
@@ -117,7 +130,10 @@ def read_header(path: str | os.PathLike[str], storage_options: Mapping[str, Any]
     except IsADirectoryError:
         raise FormatError(f"{where} is a folder, not a safetensors file") from None
     try:
-        doc = json.loads(raw)
+        doc = json.loads(raw, object_pairs_hook=_unique)
+    except _DuplicateKey as e:
+        raise FormatError(f"{where}: the safetensors header names {e.args[0]!r} twice (a JSON object with a duplicate "
+                          "key: which entry holds the tensor is ambiguous)") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise FormatError(f"{where}: not a safetensors file (header is not JSON: {e})") from None
     if not isinstance(doc, dict):
@@ -217,7 +233,7 @@ def source_files(src: str | os.PathLike[str],
 
 def import_safetensors(src: str | os.PathLike[str], dst_url: str, *, layouts: LayoutSpec | None = None,
                        src_storage_options: Mapping[str, Any] | None = None, progress: bool | None = None,
-                       **options: Any) -> Checkpoint:
+                       skip: Sequence[str] = (), **options: Any) -> Checkpoint:
     """Import a safetensors file or a sharded Hugging Face folder, one tensor in memory at a time.
 
     Parameters
@@ -234,6 +250,11 @@ def import_safetensors(src: str | os.PathLike[str], dst_url: str, *, layouts: La
         fsspec options for ``src`` (``dst_url``'s are ``storage_options``).
     progress : bool, optional
         A progress bar (default: when stderr is a terminal).
+    skip : sequence of str
+        ``__metadata__`` entries the import may leave out (``"__metadata__.<key>"``, globs or
+        dotted prefixes, :class:`~reshard.store.frontends.sources.Skips`): a key that shards give
+        different values (the first file's is kept). Without it that raises :class:`FormatError`;
+        what is skipped is recorded in the leaf ``reshard.skipped``.
     **options
         As for :func:`reshard.store.create` (``overwrite``, ``compression``,
         ``storage_options`` of ``dst_url``...).
@@ -262,7 +283,10 @@ def import_safetensors(src: str | os.PathLike[str], dst_url: str, *, layouts: La
             if held is None or PurePosixPath(held[0].header.path).name != file:
                 raise FormatError(f"{src}: the index puts tensor {name!r} in {file}, which does not hold it")
     refuse_empty("safetensors", src, len(pieces))
-    leaves, extra = _leaves(headers)
+    skips = Skips(skip)
+    leaves, extra = _leaves(headers, skips)
+    skips.check()
+    leaves.update(skips.leaves())
     if extra:
         leaves[METADATA_LEAF] = extra
     fs, fpath = _fs(str(src), src_storage_options)
@@ -365,10 +389,12 @@ def _whole_shape(pieces: list[Piece]) -> tuple[int, ...]:
                                                                for p in pieces), strict=True))
 
 
-def _leaves(headers: list[Header]) -> tuple[dict[str, Any], dict[str, str]]:
-    """reshard's leaves (``reshard.leaves``) and the other metadata entries of the files."""
+def _leaves(headers: list[Header], skips: Skips) -> tuple[dict[str, Any], dict[str, str]]:
+    """reshard's leaves (``reshard.leaves``) and the other metadata entries of the files (the first file's
+    value of each; another file's different value goes to ``skips``)."""
     leaves: dict[str, Any] = {}
     extra: dict[str, str] = {}
+    first: dict[str, str] = {}
     for h in headers:
         for key, value in h.metadata.items():
             if key == "reshard.leaves":
@@ -377,7 +403,10 @@ def _leaves(headers: list[Header]) -> tuple[dict[str, Any], dict[str, str]]:
                 except ValueError:
                     raise FormatError(f"{h.path}: __metadata__ reshard.leaves is not JSON") from None
             elif key not in ("format", DCP_SHARDING_KEY, "DCP_VERSION"):  # per file (every export writes "pt")
-                extra.setdefault(key, value)
+                if extra.setdefault(key, value) != value:
+                    skips.add(f"__metadata__.{key}", f"{h.path}: __metadata__ entry {key!r}",
+                              f"its value differs from the one in {first[key]}, which is kept")
+                first.setdefault(key, h.path)
     return leaves, extra
 
 

@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import json
 import re
-import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from reshard.layouts import Layout
 from reshard.layouts.errors import (
     CheckpointNotFoundError,
+    DTypeMismatchError,
     FormatError,
     LayoutError,
 )
 
 from ...format.tree import to_json
 from ...write.writer import create, single_process
-from ..sources import local_path, refuse_empty
+from ..sources import Skips, local_path, refuse_empty
 from .arrays import key_name
 
 
@@ -37,7 +38,8 @@ def _orbax_layout(meta: Any) -> Layout:
     return Layout.single(shape)
 
 
-def import_orbax(src: str, dst: str, *, step: int | None = None, **options: Any) -> dict[str, Any]:
+def import_orbax(src: str, dst: str, *, step: int | None = None, skip: Sequence[str] = (),
+                 **options: Any) -> dict[str, Any]:
     """Convert an Orbax checkpoint (``StandardCheckpointer``/``PyTreeCheckpointer``) to reshard.
 
     Orbax's metadata gives the tree, shapes, dtypes and saving shardings;
@@ -57,6 +59,12 @@ def import_orbax(src: str, dst: str, *, step: int | None = None, **options: Any)
         The new checkpoint.
     step : int, optional
         For a ``CheckpointManager`` root: the step to import.
+    skip : sequence of str
+        Scalars that are not JSON (a complex number) and leaves of kinds reshard does not read
+        (not arrays, scalars or strings) which the import may leave out (globs or dotted
+        prefixes, :class:`~reshard.store.frontends.sources.Skips`); any other raises
+        :class:`FormatError` naming it. What is skipped is recorded in the leaf
+        ``reshard.skipped``. (An array of a dtype reshard does not store is refused, named.)
     **options
         As for :func:`reshard.store.create`.
 
@@ -93,36 +101,43 @@ def import_orbax(src: str, dst: str, *, step: int | None = None, **options: Any)
 
     layouts: dict[str, Layout] = {}
     stored: dict[str, Any] = {}
+    dtypes: dict[str, str] = {}
     leaves: dict[str, Any] = {}
-    skipped = []
+    skips = Skips(skip)
     strings = None
     for keypath, meta in _flatten_metadata(tree):
         name = key_name(keypath)
         kind = type(meta).__name__
         if kind == "ArrayMetadata":
             layouts[name], stored[name] = _orbax_layout(meta), open_array(meta)
+            dtypes[name] = _dtype_name(stored[name].dtype.numpy_dtype, f"{path}: array {name!r}")
         elif kind == "ScalarMetadata":
-            leaves[name] = to_json(open_array(meta).read().result()[()], name)
+            value = open_array(meta).read().result()[()]
+            try:
+                leaves[name] = to_json(value, name)
+            except TypeError:
+                skips.add(name, f"{path}: scalar {name!r}", f"it is a {type(value).__name__}, which is not JSON")
         elif kind == "StringMetadata":  # Orbax keeps strings in one JSON file, by tensorstore name
             strings = strings if strings is not None else json.loads((path / "_strings.json").read_text())
             leaves[name] = strings[meta.name]
         else:
-            warnings.warn(f"import_orbax: skipping {name!r} ({kind})", stacklevel=2)
-            skipped.append(name)
-    refuse_empty("Orbax", path, len(layouts), f" (found {len(leaves)} scalars, skipped {len(skipped)})")
+            skips.add(name, f"{path}: leaf {name!r}", f"its metadata is a {kind}, which reshard does not read")
+    refuse_empty("Orbax", path, len(layouts), f" (found {len(leaves)} scalars, {len(skips.records)} others)")
+    skips.check()
+    leaves.update(skips.leaves())
     writer = create(dst, layouts, **single_process(options))
     total = 0
     metas = {}
     for name, layout in layouts.items():
         array = stored[name]
-        metas[name] = meta = writer.meta(name, layout, _dtype_name(array.dtype.numpy_dtype))
+        metas[name] = meta = writer.meta(name, layout, dtypes[name])
         for block in layout.blocks():  # one saved block in memory at a time
             data = np.ascontiguousarray(array[block.region].read().result())
             writer.write_block(meta, block.region, data)
             total += data.nbytes
     writer.write_manifests(metas, leaves)
     writer.commit()
-    return {"tensors": len(layouts), "leaves": len(leaves), "bytes": total, "skipped": skipped,
+    return {"tensors": len(layouts), "leaves": len(leaves), "bytes": total, "skipped": skips.names(),
             "source": str(path), "step": step}
 
 
@@ -183,7 +198,11 @@ def _flatten_metadata(tree: Any) -> list[tuple[Any, Any]]:
     return jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))[0]
 
 
-def _dtype_name(dtype: Any) -> str:
+def _dtype_name(dtype: Any, what: str) -> str:
+    """The stored name of an array's dtype, checked before anything is written (errors name ``what``)."""
     from ...format.dtypes import dtype_name
 
-    return dtype_name(dtype)
+    try:
+        return dtype_name(dtype)
+    except DTypeMismatchError as e:
+        raise DTypeMismatchError(f"{what}: {e}") from None

@@ -53,6 +53,9 @@ BUCKET_KEY = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(
                         r"\.([A-Za-z_][A-Za-z0-9_]*)")
 #: ShardedObjects of the form that :func:`place_buckets` reads (checked, not kept as leaves).
 BUCKET_OBJECTS = re.compile(r"optimizer\.distributed\.dp_group_idx_\d+\.per_bucket_numel(_unpadded)?(/shard_.*)?")
+#: Flat buckets of the same form under a prefix: a ``ChainedOptimizer``'s (``chained_<i>.``, one optimizer per
+#: parameter group, e.g. an MoE model's expert parameters). Not decoded: an import refuses them unless skipped.
+PREFIXED_BUCKETS = re.compile(r"(.+)\.optimizer\.distributed\..+")
 MAIN_PARAM = "param"
 
 Block = tuple[str, tuple[int, ...], tuple[int, ...]]  # (model key, chunk offsets, chunk sizes)

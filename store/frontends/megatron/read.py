@@ -20,7 +20,12 @@ needs, and reading a tensor whole integrates it.
 
 The ``dp_reshardable`` form (flat buckets, :mod:`.buckets`) becomes
 each parameter's state in its own shape too; the ``fully_reshardable`` form is
-regular tensors. :mod:`.write` writes an import back.
+regular tensors. :mod:`.write` writes an import back. Flat buckets under a
+prefix (a ``ChainedOptimizer``'s ``chained_<i>.``: an MoE model's expert
+parameters get an optimizer of their own) are not decoded: the import refuses
+them, naming them and their files, unless ``skip`` names them (then the
+checkpoint records them as skipped, :class:`~reshard.store.frontends.sources.Skips`);
+so are items and ``common.pt`` entries that are not JSON.
 
 ``.metadata`` is read with the DCP import's restricted unpickler, Megatron's
 own classes (its save plan) becoming inert stand-ins; items and ``common.pt``
@@ -29,11 +34,10 @@ with ``torch.load(weights_only=True)``. torch is imported inside the functions.
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import os
-import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -43,10 +47,10 @@ from reshard.layouts.errors import CheckpointNotFoundError, FormatError, Unsuppo
 from ...format.tree import to_json
 from ...io.storage import Storage
 from ...write.writer import create, single_process
-from ..sources import local_path, refuse_empty
-from ..torch.dcp import _dcp_item, _DCPMetadataUnpickler, _regroup
+from ..sources import Skips, local_path, refuse_empty
+from ..torch.dcp import _dcp_item, _DCPMetadataUnpickler, _regroup, read_dcp_metadata
 from ..torch.pt_files import load_pt, plain, stub_class
-from .buckets import BUCKET_OBJECTS, is_bucket_key, place_buckets
+from .buckets import BUCKET_OBJECTS, PREFIXED_BUCKETS, is_bucket_key, place_buckets
 
 
 class _MegatronMetadataUnpickler(_DCPMetadataUnpickler):
@@ -58,14 +62,9 @@ class _MegatronMetadataUnpickler(_DCPMetadataUnpickler):
         return super().find_class(module, name)
 
 
-def read_megatron_metadata(data: bytes) -> Any:
-    """Decode a ``torch_dist`` ``.metadata`` file (restricted: see the module docstring)."""
-    import pickle
-
-    try:
-        return _MegatronMetadataUnpickler(io.BytesIO(data)).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
-        raise FormatError(f"not a readable torch_dist .metadata file: {e}") from None
+def read_megatron_metadata(data: bytes, where: str = ".metadata") -> Any:
+    """Decode a ``torch_dist`` ``.metadata`` file (restricted: see the module docstring); errors name ``where``."""
+    return read_dcp_metadata(data, where, _MegatronMetadataUnpickler)
 
 
 def flat_layout(name: str, shape: tuple[int, ...], stored: tuple[int, ...], chunks: list[Any]) -> FlatLayout:
@@ -102,19 +101,31 @@ def flat_layout(name: str, shape: tuple[int, ...], stored: tuple[int, ...], chun
         raise FormatError(f"tensor {name!r}: its flattened ranges do not describe the tensor: {e}") from None
 
 
-def import_megatron(src: str, dst: str, **options: Any) -> dict[str, Any]:
+def import_megatron(src: str, dst: str, *, skip: Sequence[str] = (), **options: Any) -> dict[str, Any]:
     """Convert a Megatron-Core ``torch_dist`` checkpoint folder into a reshard checkpoint.
 
     Tensors keep their names; flattened optimizer state becomes the tensor in
     its own shape under a :class:`~reshard.layouts.FlatLayout`, regular tensors
     keep their chunks as an explicit layout. Non-tensor items (ShardedObjects) and
-    ``common.pt``'s entries (under ``common.``) become JSON leaves when they are
-    JSON (others are skipped, named in the result). One tensor in memory at a time.
+    ``common.pt``'s entries (under ``common.``) become JSON leaves. One tensor in
+    memory at a time.
+
+    Parameters
+    ----------
+    src, dst : str
+        The ``torch_dist`` folder, and the new checkpoint.
+    skip : sequence of str
+        What the import may leave out (globs or dotted prefixes): a ``ChainedOptimizer``'s flat buckets
+        (``"chained_0.optimizer.distributed"``), items or ``common.pt`` entries that are not JSON. Anything
+        else not decoded raises :class:`FormatError`, naming it and its files; what is skipped is recorded in
+        the leaf ``reshard.skipped``.
+    **options
+        As for :func:`reshard.store.create`.
 
     Returns
     -------
     dict
-        ``{"tensors", "flat", "leaves", "bytes", "skipped"}``.
+        ``{"tensors", "flat", "leaves", "bytes", "skipped"}`` (``skipped``: the names left out).
     """
     from ...format.torch_arrays import to_numpy
 
@@ -131,7 +142,7 @@ def import_megatron(src: str, dst: str, **options: Any) -> dict[str, Any]:
         raise UnsupportedError(f"{folder}: sharded_backend {kind!r} is not 'torch_dist' (the zarr backend is not "
                                "imported)")
     try:
-        md = read_megatron_metadata(store.read(".metadata"))
+        md = read_megatron_metadata(store.read(".metadata"), f"{folder}/.metadata")
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{folder}: no .metadata: the torch_dist save is incomplete") from None
     mcore = getattr(md, "mcore_data", None) or {}
@@ -140,19 +151,27 @@ def import_megatron(src: str, dst: str, **options: Any) -> dict[str, Any]:
     layouts: dict[str, Layout] = {}
     dtypes: dict[str, str] = {}
     items: dict[str, Any] = {}
-    skipped: list[str] = []
+    skips = Skips(skip)
+    files: dict[str, set[str]] = {}
+    for (fqn, _), info in where.items():
+        files.setdefault(fqn, set()).add(info.relative_path)
+    chained: dict[str, set[str]] = {}
     buckets = place_buckets(store, md, where)
     for name, bucket in buckets.items():
         layouts[name], dtypes[name] = bucket.layout, bucket.dtype
     for fqn, item in md.state_dict_metadata.items():
         if is_bucket_key(fqn) or (buckets and BUCKET_OBJECTS.fullmatch(fqn)):
             continue  # read by place_buckets: the state is imported per parameter
+        prefixed = PREFIXED_BUCKETS.fullmatch(fqn)
+        if prefixed:
+            chained.setdefault(f"{prefixed.group(1)}.optimizer.distributed", set()).update(files.get(fqn, ()))
+            continue
         if not hasattr(item, "chunks"):
             try:
                 items[fqn] = to_json(_dcp_item(store, where[(fqn, None)], f"item {fqn!r}"), fqn)
             except TypeError as e:
-                warnings.warn(f"import_megatron: skipping {fqn!r}: {e}", stacklevel=2)
-                skipped.append(fqn)
+                skips.add(fqn, f"{folder}: item {fqn!r} (in {', '.join(sorted(files.get(fqn, ())))})",
+                          f"it holds {e}, which is not JSON")
             continue
         stored = tuple(int(n) for n in item.size)
         orig = (mcore.get(fqn) or {}).get("nd_reformulated_orig_global_shape")
@@ -162,15 +181,21 @@ def import_megatron(src: str, dst: str, **options: Any) -> dict[str, Any]:
             blocks = [(i, tuple(c.offsets), tuple(c.sizes), 0) for i, c in enumerate(item.chunks)]
             layouts[fqn] = Layout.from_blocks(stored, blocks)
         dtypes[fqn] = str(item.properties.dtype).removeprefix("torch.")
+    for family, held in sorted(chained.items()):
+        skips.add(family, f"{folder}: the flat optimizer buckets {family}.* (in {', '.join(sorted(held))})",
+                  "they are a ChainedOptimizer's dp_reshardable state (one optimizer per parameter group, as an "
+                  "MoE model's expert parameters get), which reshard does not decode yet")
     leaves = _regroup(items, getattr(md, "planner_data", None) or {}, layouts)
     if os.path.isfile(os.path.join(folder, "common.pt")):
         common = load_pt(os.path.join(folder, "common.pt"), prefixes=("megatron.", "argparse."))
         for key, value in (common.items() if isinstance(common, dict) else ()):
             try:
                 leaves[f"common.{key}"] = to_json(plain(value), key)
-            except TypeError:
-                skipped.append(f"common.{key}")
+            except TypeError as e:
+                skips.add(f"common.{key}", f"{folder}/common.pt: entry {key!r}", f"it holds {e}, which is not JSON")
     refuse_empty("Megatron torch_dist", folder, len(layouts), f" (found {len(items)} other items)")
+    skips.check()
+    leaves.update(skips.leaves())
     writer = create(dst, layouts, **single_process(options))
     metas = {}
     total = 0
@@ -197,7 +222,7 @@ def import_megatron(src: str, dst: str, **options: Any) -> dict[str, Any]:
     writer.write_manifests(metas, leaves)
     writer.commit()
     return {"tensors": len(layouts), "flat": sum(isinstance(x, FlatLayout) for x in layouts.values()),
-            "leaves": len(leaves), "bytes": total, "skipped": skipped}
+            "leaves": len(leaves), "bytes": total, "skipped": skips.names()}
 
 
 def _integrate(lay: FlatLayout, dtype: Any, arrays: Any) -> np.ndarray:

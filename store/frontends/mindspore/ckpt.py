@@ -13,14 +13,17 @@ value holds UTF-32 text; a tensor over 512 MiB (:data:`SLICE_BYTES`) is split
 along axis 0 into consecutive Values with the same tag and the full dims. An
 optional trailer ``b"crc_num"`` + a 10-byte big-endian crc32 of everything
 before it may end the file. Files are memory-mapped and decoded zero-copy;
-nothing is ever unpickled. Map tensors (``MapParameter``) are skipped with a
-warning.
+nothing is ever unpickled. Map tensors (``MapParameter``) are not decoded: their
+header is ``((), "map")`` and reading one raises :class:`FormatError` naming the
+file, unless the caller skips them (``skip_maps``; the import does when its
+``skip`` allows, and records them).
 
 MindSpore >= 2.4 also writes per-rank safetensors files
 (``save_checkpoint(..., format="safetensors")``,
 ``transform_checkpoints(..., output_format="safetensors")``): a standard
-safetensors file with ``{"format": "ms"}`` metadata. :func:`file_headers`,
-:func:`read_file` and :func:`write_file` handle either kind by the file's suffix.
+safetensors file with ``{"format": "ms"}`` metadata, whose other entries are the
+file's ``str`` values. :func:`file_headers`, :func:`read_file` and :func:`write_file`
+handle either kind by the file's suffix.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ import builtins
 import math
 import mmap
 import os
-import warnings
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -55,7 +57,9 @@ _MS_TYPES = {v: k for k, v in TYPES.items()}
 SLICE_BYTES = 512 << 20
 _CRC = b"crc_num"
 
-Header = tuple[tuple[int, ...], str]  # (shape, reshard dtype name or "str")
+Header = tuple[tuple[int, ...], str]  # (shape, reshard dtype name, "str", or "map": a MapParameter, not decoded)
+#: The header dtype of a map tensor (``MapParameter``), which reshard does not decode.
+MAP = "map"
 
 
 # ------------------------------------------------------------ .ckpt codec
@@ -81,8 +85,17 @@ def _strip_crc(data: memoryview, check: bool, what: str) -> memoryview:
 
 
 def _values(data: memoryview, what: str) -> list[tuple[str, tuple[int, ...], str, memoryview]]:
-    """``(tag, dims, tensor_type, content)`` of every Value, in file order (zero-copy)."""
-    out = []
+    """``(tag, dims, tensor_type, content)`` of every Value, in file order (zero-copy); errors name ``what``."""
+    try:
+        return _parse_values(data, what)
+    except FormatError as e:
+        if str(e).startswith(f"{what}: "):
+            raise
+        raise FormatError(f"{what}: {e}") from None  # the wire codec's errors know no file
+
+
+def _parse_values(data: memoryview, what: str) -> list[tuple[str, tuple[int, ...], str, memoryview]]:
+    out: list[tuple[str, tuple[int, ...], str, memoryview]] = []
     for number, wire, value in pw.decode(data, copy=False):
         if number != 1 or wire != pw.LEN or isinstance(value, int):
             raise FormatError(f"{what}: not a MindSpore checkpoint (field {number}, wire type {wire})")
@@ -90,7 +103,7 @@ def _values(data: memoryview, what: str) -> list[tuple[str, tuple[int, ...], str
         tag = pw.text(f.get(1, []), "tag")
         tensor = f.get(2)
         if not tensor or isinstance(tensor[-1][1], int):
-            warnings.warn(f"{what}: {tag!r} is not a plain tensor (a MapParameter?); skipped", stacklevel=3)
+            out.append((tag, (), MAP, memoryview(b"")))  # a MapParameter (maptensor, field 3)
             continue
         t = pw.fields(tensor[-1][1], copy=False)
         dims = tuple(pw.ints(t.get(1, [])))
@@ -116,7 +129,8 @@ def _decode(tag: str, dims: tuple[int, ...], ttype: str, parts: list[memoryview]
     return np.frombuffer(buf, dtype).reshape(shape)
 
 
-def parse_ckpt(data: bytes | memoryview, *, check_crc: bool = True, what: str = "checkpoint") -> dict[str, Any]:
+def parse_ckpt(data: bytes | memoryview, *, check_crc: bool = True, what: str = "checkpoint",
+               skip_maps: bool = False) -> dict[str, Any]:
     """Every value of a MindSpore ``.ckpt`` file's bytes.
 
     Parameters
@@ -127,6 +141,8 @@ def parse_ckpt(data: bytes | memoryview, *, check_crc: bool = True, what: str = 
         Check the ``crc_num`` trailer when there is one (it is always stripped).
     what : str
         Name used in error messages.
+    skip_maps : bool
+        Leave map tensors (``MapParameter``) out; else they raise :class:`FormatError`.
 
     Returns
     -------
@@ -141,6 +157,10 @@ def parse_ckpt(data: bytes | memoryview, *, check_crc: bool = True, what: str = 
     body = _strip_crc(memoryview(data).cast("B"), check_crc, what)
     grouped: dict[str, tuple[tuple[int, ...], str, list[memoryview]]] = {}
     for tag, dims, ttype, content in _values(body, what):
+        if ttype == MAP:
+            if skip_maps:
+                continue
+            raise FormatError(f"{what}: {tag!r} is a map tensor (MapParameter), which reshard does not decode")
         if tag in grouped:
             grouped[tag][2].append(content)
         else:
@@ -148,9 +168,9 @@ def parse_ckpt(data: bytes | memoryview, *, check_crc: bool = True, what: str = 
     return {tag: _decode(tag, dims, ttype, parts, what) for tag, (dims, ttype, parts) in grouped.items()}
 
 
-def read_ckpt(path: str | os.PathLike[str], *, check_crc: bool = True) -> dict[str, Any]:
+def read_ckpt(path: str | os.PathLike[str], *, check_crc: bool = True, skip_maps: bool = False) -> dict[str, Any]:
     """:func:`parse_ckpt` of a file, memory-mapped."""
-    return parse_ckpt(_map(path), check_crc=check_crc, what=str(path))
+    return parse_ckpt(_map(path), check_crc=check_crc, what=str(path), skip_maps=skip_maps)
 
 
 def ckpt_headers(path: str | os.PathLike[str]) -> dict[str, Header]:
@@ -160,6 +180,9 @@ def ckpt_headers(path: str | os.PathLike[str]) -> dict[str, Header]:
     body = _strip_crc(data, False, str(path))
     sizes: dict[str, int] = {}
     for tag, dims, ttype, content in _values(body, str(path)):
+        if ttype == MAP:
+            out[tag] = ((), MAP)
+            continue
         if ttype != "str" and ttype not in TYPES:
             raise DTypeMismatchError(f"{path}: {tag!r} has tensor_type {ttype!r}; known: {sorted(TYPES)} and 'str'")
         sizes[tag] = sizes.get(tag, 0) + len(content)
@@ -245,22 +268,31 @@ def is_safetensors(path: str | os.PathLike[str]) -> bool:
     return str(path).endswith(".safetensors")
 
 
+def _strings(metadata: Mapping[str, str]) -> dict[str, str]:
+    """A safetensors rank file's ``str`` values: its ``__metadata__`` but MindSpore's own ``format``."""
+    return {k: v for k, v in metadata.items() if k not in MS_METADATA}
+
+
 def file_headers(path: str | os.PathLike[str]) -> dict[str, Header]:
-    """``{name: (shape, dtype name)}`` of a ``.ckpt`` or ``.safetensors`` rank file, headers only."""
+    """``{name: (shape, dtype name or "str")}`` of a ``.ckpt`` or ``.safetensors`` rank file, headers only."""
     if not is_safetensors(path):
         return ckpt_headers(path)
-    return {e.name: (e.shape, e.dtype) for e in read_header(path).entries}
+    header = read_header(path)
+    strings: dict[str, Header] = {k: ((), "str") for k in _strings(header.metadata)}
+    return {**{e.name: (e.shape, e.dtype) for e in header.entries}, **strings}
 
 
-def read_file(path: str | os.PathLike[str], *, check_crc: bool = True) -> dict[str, Any]:
-    """Every value of a ``.ckpt`` or ``.safetensors`` rank file (memory-mapped, read-only arrays)."""
+def read_file(path: str | os.PathLike[str], *, check_crc: bool = True, skip_maps: bool = False) -> dict[str, Any]:
+    """Every value of a ``.ckpt`` or ``.safetensors`` rank file (memory-mapped, read-only arrays; see
+    :func:`parse_ckpt` for ``skip_maps``)."""
     if not is_safetensors(path):
-        return read_ckpt(path, check_crc=check_crc)
+        return read_ckpt(path, check_crc=check_crc, skip_maps=skip_maps)
     data = _map(path)
+    header = read_header(path)
     out: dict[str, Any] = {}
-    for e in read_header(path).entries:
+    for e in header.entries:
         out[e.name] = np.frombuffer(data[e.start:e.start + e.nbytes], numpy_dtype(e.dtype)).reshape(e.shape)
-    return out
+    return {**out, **_strings(header.metadata)}
 
 
 def write_safetensors(path: str | os.PathLike[str], values: Mapping[str, Any],
@@ -300,6 +332,6 @@ def write_file(path: str | os.PathLike[str], values: Mapping[str, Any], *, crc: 
     return write_ckpt(path, values, crc=crc)
 
 
-__all__ = ["MS_METADATA", "SLICE_BYTES", "SUFFIXES", "TYPES", "Header", "ckpt_headers", "file_headers",
+__all__ = ["MAP", "MS_METADATA", "SLICE_BYTES", "SUFFIXES", "TYPES", "Header", "ckpt_headers", "file_headers",
            "is_safetensors", "parse_ckpt", "read_ckpt", "read_file", "write_ckpt", "write_file",
            "write_safetensors"]

@@ -29,15 +29,18 @@ StrategyLike = str | os.PathLike[str] | bytes | Mapping[str, Any] | None
 def load_strategy(strategy: StrategyLike, shapes: Mapping[str, Sequence[int]] | None = None) -> dict[str, Layout]:
     """``{param: Layout}`` of a strategy file path, its bytes, its parsed JSON, or layouts already.
 
-    ``None`` gives ``{}`` (every tensor a whole copy).
+    ``None`` gives ``{}`` (every tensor a whole copy). A file's errors name it.
     """
     if strategy is None:
         return {}
     if isinstance(strategy, Mapping) and all(isinstance(v, Layout) for v in strategy.values()):
         return dict(strategy)
-    if isinstance(strategy, (str, os.PathLike)):
-        strategy = Path(strategy).read_bytes()
-    return parse_strategy(strategy, shapes)
+    if not isinstance(strategy, (str, os.PathLike)):
+        return parse_strategy(strategy, shapes)
+    try:
+        return parse_strategy(Path(strategy).read_bytes(), shapes)
+    except FormatError as e:
+        raise FormatError(f"{strategy}: {e}") from None
 
 
 def _raw_entries(data: bytes) -> dict[str, tuple[list[int], list[int], int]]:

@@ -115,7 +115,7 @@ def decode_structure(data: bytes, what: str = PICKLE_FILE) -> Any:
         result = _run(ops, what)
     except FormatError:
         raise
-    except (IndexError, KeyError, TypeError, ValueError, AttributeError) as e:
+    except Exception as e:  # a hostile pickle may break the decoder in any way; each is the file's fault
         raise FormatError(f"{what}: malformed flow.save pickle ({type(e).__name__}: {e})") from None
     if not isinstance(result, dict) or "data" not in result:
         raise FormatError(f"{what}: not a flow.save pickle (no {{'protocol_version', 'data'}} dict)")

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from reshard.layouts.errors import BadNameError, CheckpointNotFoundError
+from reshard.layouts.errors import BadNameError, CheckpointNotFoundError, FormatError
 
 from ...format.tree import is_tensor
 
@@ -114,7 +114,10 @@ def load_npz(folder: str | Path, *, headers_only: bool = False) -> dict[str, Any
     for f in files:
         with np.load(f, allow_pickle=False) as data:
             for key in data.files:
-                flat[key] = _npz_header(data, key) if headers_only else data[key]
+                try:
+                    flat[key] = _npz_header(data, key) if headers_only else data[key]
+                except (TypeError, ValueError) as e:  # object arrays: numpy refuses to unpickle them
+                    raise FormatError(f"{f}: array {key!r}: {e}") from None
     if folder.is_dir() and (folder / LEAVES_FILE).exists():
         flat.update(json.loads((folder / LEAVES_FILE).read_text()))
     out: dict[str, Any] = {}

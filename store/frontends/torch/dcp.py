@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import io
 import pickle  # only for a RESTRICTED reader of DCP's own .metadata (see _DCPMetadataUnpickler); never in our format
-import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from reshard.layouts import Layout
@@ -23,7 +22,7 @@ from ...format.tree import to_json
 from ...io.storage import Storage
 from ...read.foreign import MEGATRON, detect, foreign_hint
 from ...write.writer import create, single_process
-from ..sources import local_path, refuse_empty
+from ..sources import Skips, local_path, refuse_empty
 
 #: The globals a DCP ``.metadata`` pickle may name, besides torch dtypes and layouts.
 _DCP_GLOBALS = frozenset(
@@ -67,12 +66,20 @@ def _enum_member(cls: Any, name: Any) -> Any:
     return cls[name]
 
 
-def read_dcp_metadata(data: bytes) -> Any:
-    """Decode a DCP ``.metadata`` file with the restricted unpickler."""
+def read_dcp_metadata(data: bytes, where: str = ".metadata",
+                      unpickler: type[_DCPMetadataUnpickler] = _DCPMetadataUnpickler) -> Any:
+    """Decode a DCP ``.metadata`` file (named ``where`` in errors) with the restricted ``unpickler``.
+
+    Raises
+    ------
+    FormatError
+        Whatever the unpickler refuses or fails on (a global it does not load, an opcode, truncated
+        bytes), naming ``where``.
+    """
     try:
-        return _DCPMetadataUnpickler(io.BytesIO(data)).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
-        raise FormatError(f"not a readable DCP .metadata file: {e}") from None
+        return unpickler(io.BytesIO(data)).load()
+    except Exception as e:  # a hostile pickle may fail in any way; each is the file's fault
+        raise FormatError(f"{where}: not a readable DCP .metadata file ({type(e).__name__}: {e})") from None
 
 
 def _dcp_item(src: Storage, info: Any, what: str) -> Any:
@@ -124,7 +131,7 @@ def _regroup(items: dict[str, Any], paths: Mapping[str, Any], tensors: Mapping[s
 
 
 def import_dcp(src: str, dst: str, *, src_storage_options: dict[str, Any] | None = None,
-               **options: Any) -> dict[str, Any]:
+               skip: Sequence[str] = (), **options: Any) -> dict[str, Any]:
     """Convert a torch DCP checkpoint (``.metadata`` + ``*.distcp``) into a reshard checkpoint.
 
     Streams: one saved chunk is in memory at a time (read by byte range, so
@@ -140,14 +147,18 @@ def import_dcp(src: str, dst: str, *, src_storage_options: dict[str, Any] | None
         The new checkpoint.
     src_storage_options : dict, optional
         fsspec options for ``src``.
+    skip : sequence of str
+        Non-tensor items that are not JSON which the import may leave out (globs or dotted
+        prefixes, :class:`~reshard.store.frontends.sources.Skips`); any other raises
+        :class:`FormatError` naming it and its file. What is skipped is recorded in the leaf
+        ``reshard.skipped``.
     **options
         As for :func:`reshard.store.create`.
 
     Returns
     -------
     dict
-        ``{"tensors": n, "leaves": n, "bytes": n, "skipped": [names]}``:
-        ``skipped`` names non-tensor items that are not JSON (warned about).
+        ``{"tensors": n, "leaves": n, "bytes": n, "skipped": [names]}``.
     """
     from ...format.torch_arrays import to_numpy
 
@@ -161,24 +172,27 @@ def import_dcp(src: str, dst: str, *, src_storage_options: dict[str, Any] | None
         raise FormatError(f"{src_store.url} is a Megatron-Core torch_dist save (metadata.json names its backend): "
                           f"import it with `reshard import megatron {src_store.url} DST`, which decodes its "
                           "distributed optimizer's state")
-    md = read_dcp_metadata(raw)
+    md = read_dcp_metadata(raw, f"{src_store.url}/.metadata")
     where = {(idx.fqn, None if idx.offset is None else tuple(idx.offset)): info
              for idx, info in md.storage_data.items()}
-    layouts, dtypes, items, skipped = {}, {}, {}, []
+    layouts, dtypes, items, skips = {}, {}, {}, Skips(skip)
     for fqn, item in md.state_dict_metadata.items():
         if hasattr(item, "chunks"):
             blocks = [(i, tuple(c.offsets), tuple(c.sizes), 0) for i, c in enumerate(item.chunks)]
             layouts[fqn] = Layout.from_blocks(tuple(item.size), blocks)
             dtypes[fqn] = str(item.properties.dtype).removeprefix("torch.")
         else:
-            value = _dcp_item(src_store, where[(fqn, None)], f"item {fqn!r}")
+            info = where[(fqn, None)]
+            value = _dcp_item(src_store, info, f"item {fqn!r}")
             try:
                 items[fqn] = to_json(value, fqn)
             except TypeError as e:
-                warnings.warn(f"import_dcp: skipping {fqn!r}: {e}", stacklevel=2)
-                skipped.append(fqn)
+                skips.add(fqn, f"{src_store.url}: item {fqn!r} (in {info.relative_path})",
+                          f"it holds {e}, which is not JSON")
     leaves = _regroup(items, getattr(md, "planner_data", None) or {}, layouts)
     refuse_empty("DCP", src_store.url, len(layouts), f" (found {len(items)} other items)")
+    skips.check()
+    leaves.update(skips.leaves())
     writer = create(dst, layouts, **single_process(options))
     metas = {n: writer.meta(n, lay, dtypes[n]) for n, lay in layouts.items()}
     total = 0
@@ -195,4 +209,4 @@ def import_dcp(src: str, dst: str, *, src_storage_options: dict[str, Any] | None
             total += array.nbytes
     writer.write_manifests(metas, leaves)
     writer.commit()
-    return {"tensors": len(layouts), "leaves": len(leaves), "bytes": total, "skipped": skipped}
+    return {"tensors": len(layouts), "leaves": len(leaves), "bytes": total, "skipped": skips.names()}

@@ -16,7 +16,6 @@ torch is imported inside the functions.
 from __future__ import annotations
 
 import functools
-import pickle  # only for its error type: the unpickler is torch's restricted one
 from collections.abc import Mapping
 from typing import Any
 
@@ -76,10 +75,10 @@ def load_pt(path: str, prefixes: tuple[str, ...] = ("deepspeed.",)) -> Any:
 
     try:
         names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-    except (RuntimeError, ValueError, OSError, EOFError) as e:
-        if isinstance(e, FileNotFoundError):
-            raise
-        raise FormatError(f"{path} is not a torch.save archive reshard reads: {e}") from None
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # torch's scan of the pickle refuses opcodes with UnpicklingError, and more
+        raise FormatError(f"{path} is not a torch.save archive reshard reads ({type(e).__name__}: {e})") from None
     foreign = sorted(n for n in names if not n.startswith(prefixes))
     if foreign:
         raise FormatError(f"{path} pickles {foreign}, which reshard does not load (only tensors, plain containers "
@@ -88,8 +87,9 @@ def load_pt(path: str, prefixes: tuple[str, ...] = ("deepspeed.",)) -> Any:
     try:
         with torch.serialization.safe_globals(stubs):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except (RuntimeError, ValueError, TypeError, EOFError, AttributeError, pickle.UnpicklingError) as e:
-        raise FormatError(f"{path}: cannot decode it with the restricted unpickler: {e}") from None
+    except Exception as e:  # whatever a hostile pickle makes the restricted unpickler raise
+        raise FormatError(f"{path}: cannot decode it with the restricted unpickler ({type(e).__name__}: {e})"
+                          ) from None
 
 
 def plain(value: Any) -> Any:
