@@ -206,7 +206,7 @@ def test_sync_save_writes_before_returning(tmp_path):
     url = str(tmp_path / "run")
     with rs.CheckpointManager(url, L, async_save=False) as mgr:
         save_all(mgr, 1)
-        gen = tmp_path / "run" / "step-1" / "gen-1"  # each rank's object (packed) or manifest (directory)
+        (gen,) = (tmp_path / "run" / "step-1").glob("gen-1-j*")  # rank objects (packed) or manifests (directory)
         assert all((gen / "packed" / f"{r}.bin").exists() or (gen / ".reshard" / "ranks" / f"{r}.json").exists()
                    for r in range(4))
         mgr.wait(committed=True, timeout=30)

@@ -286,6 +286,15 @@ class Committer:
         return index
 
     # ------------------------------------------------------------- commit
+    def save_id(self, step: int) -> str:
+        """The save id of this job's ``step``: ``"<step>-j<token>"`` (its folder ``step-<step>/gen-<step>-j<token>``).
+
+        Each job writes a step into a folder of its own, so a superseded job's late writes (shards in the
+        directory form, a rank's object in parts) never land in the folder of the job that took over.
+        Without a token (a reading manager), ``"<step>"``.
+        """
+        return str(step) if self.fence is None else f"{step}-j{self.fence.token}"
+
     def poll(self, step: int, expected: list[int]) -> dict[int, dict[str, Any]]:
         """Every expected rank's manifest of ``step``, read by key as each appears.
 
@@ -294,7 +303,7 @@ class Committer:
         UncommittedCheckpointError
             If some rank has not written within the timeout (or the manager closes).
         """
-        sid = str(step)
+        sid = self.save_id(step)
         gen = self.root.child(step_dir(step)).child(generation_of(sid))
         pending = sorted(expected)
         got: dict[int, dict[str, Any]] = {}
@@ -358,7 +367,7 @@ class Committer:
                                 refs=referenced_steps(manifests), committing=True)
             self._index = self.index.with_step(record)
             write_index(self.root, self._index)  # before the marker: readers confirm it by the marker
-            marker = commit(self.root.child(step_dir(step)), save_id=str(step), manifests=manifests,
+            marker = commit(self.root.child(step_dir(step)), save_id=self.save_id(step), manifests=manifests,
                             before_marker=self.check_current)  # and again last: the window is one request
         except BaseException as e:
             self.record_failure(step, f"{type(e).__name__}: {e}")

@@ -295,9 +295,9 @@ class CheckpointManager:
             base = self._base(step)
             try:
                 fence = self.committer.fence
-                return CheckpointWriter(f"{self.url}/{step_dir(step)}", self.layouts, save_id=str(step),
-                                        storage_options=self.storage_options, base=base,
-                                        fence=None if fence is None else fence.token, **self.options)
+                return CheckpointWriter(f"{self.url}/{step_dir(step)}", self.layouts,
+                                        save_id=self.committer.save_id(step), storage_options=self.storage_options,
+                                        base=base, fence=None if fence is None else fence.token, **self.options)
             except UncommittedCheckpointError:
                 if base is None:
                     raise
