@@ -136,6 +136,30 @@ def test_export_writes_only_allowed_classes(tmp_path):
         export_deepspeed(str(tmp_path / "plain"), str(tmp_path / "out"), 2)
 
 
+def test_reexport_for_fewer_ranks_replaces_the_folder_whole(tmp_path):
+    """``--dp 4`` then ``--dp 2 --overwrite`` into one DIR: only the new save (no rank 2 or 3 file, no old
+    tag), and ``reshard import deepspeed`` reads it exactly."""
+    from reshard.store.cli import main
+
+    full = build_save(tmp_path / "ds" / "global_step2", 2, 4)
+    import_deepspeed(str(tmp_path / "ds"), str(tmp_path / "rs"))
+    out = tmp_path / "out"
+    assert main(["export", "deepspeed", str(tmp_path / "rs"), str(out), "--dp", "4", "--tag", "four"]) == 0
+    before = sorted(p.name for p in (out / "four").iterdir())
+    assert main(["export", "deepspeed", str(tmp_path / "rs"), str(out), "--dp", "2"]) == 1  # refused: nothing changes
+    assert sorted(os.listdir(out)) == ["four", "latest"] and sorted(p.name for p in (out / "four").iterdir()) == before
+    assert main(["export", "deepspeed", str(tmp_path / "rs"), str(out), "--dp", "2", "--overwrite"]) == 0
+    assert sorted(os.listdir(out)) == ["latest", "reshard"] and (out / "latest").read_text() == "reshard"
+    assert sorted(os.listdir(tmp_path)) == ["ds", "out", "rs"]  # nothing left beside
+    assert sorted(os.listdir(out / "reshard")) == ["mp_rank_00_model_states.pt",
+                                                   *(f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1))]
+    assert main(["import", "deepspeed", str(out), str(tmp_path / "back")]) == 0
+    back = rs.open(str(tmp_path / "back"))
+    assert back.leaves["deepspeed"]["dp"] == 2 and set(back) == set(full)
+    for name, arr in full.items():
+        np.testing.assert_array_equal(back[name].read(), arr, err_msg=name)
+
+
 def test_cli_import_and_export(tmp_path):
     from reshard.store.cli import main
 
