@@ -280,3 +280,42 @@ def test_cli_refuses_then_overwrites(tmp_path: Path, sources: Callable[[str], tu
     assert target in err and "--overwrite" in err and snapshot(tmp_path / "out") == before
     assert main(["export", fmt.cli[0], b, target, *extra, "--overwrite"]) == 0
     assert snapshot(tmp_path / "out") != before and leftovers(tmp_path / "out", fmt) == []
+
+
+def _import(name: str, src: str, dst: str) -> rs.Checkpoint:
+    from reshard.store.frontends.deepspeed import import_deepspeed
+    from reshard.store.frontends.huggingface import import_safetensors
+    from reshard.store.frontends.megatron import import_megatron
+
+    {"deepspeed": import_deepspeed, "megatron": import_megatron, "hf-folder": import_safetensors}[name](src, dst)
+    return rs.open(dst)
+
+
+@pytest.mark.parametrize("name", ["hf-folder", "deepspeed", "megatron"])
+def test_import_reads_what_a_killed_two_step_swap_set_aside(tmp_path: Path, sources: Callable[[str], tuple[str, str]],
+                                                            name: str) -> None:
+    """Killed between the two renames, the target is missing: an import reads the old export set aside (with a
+    warning), renaming nothing; clean_leftovers, which the next export runs first, puts it back."""
+    fmt = FORMATS[name]
+    a, b = sources(name)
+    out = tmp_path / "out"
+    target = out / fmt.target
+    fmt.export(a, str(target), False)
+    before = snapshot(target)
+    for step in range(1, 20):
+        pid = fork(functools.partial(_kill_at, step, True, functools.partial(fmt.export, b, str(target), True)))
+        status = reap(pid, CHILD_TIMEOUT)
+        assert status is not None and os.WIFSIGNALED(status), f"step {step}: no kill left the target missing"
+        if not target.exists():
+            break
+    listing = sorted(os.listdir(out))
+    with pytest.warns(UserWarning, match=r"is missing: an export over it was killed"):
+        got = _import(name, str(target), str(tmp_path / "got"))
+    assert sorted(os.listdir(out)) == listing  # read only
+    fmt.export(a, str(tmp_path / "ref"), False)
+    want = _import(name, str(tmp_path / "ref"), str(tmp_path / "want"))
+    assert set(got) == set(want)
+    for n in want:
+        np.testing.assert_array_equal(got[n].read(), want[n].read(), err_msg=n)
+    clean_leftovers(str(target))
+    assert snapshot(target) == before and leftovers(out, fmt) == []

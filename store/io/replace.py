@@ -183,6 +183,17 @@ def leftover_pattern(name: str) -> re.Pattern[str]:
     return re.compile(rf"\.{re.escape(name)}\.(partial|old)-([0-9a-f]{{12}})")
 
 
+def set_aside(target: str) -> str | None:
+    """Where the old export of a missing ``target`` lies, when a two-rename swap was killed between its
+    renames (``.NAME.old-<id>``, whole); None when ``target`` exists or nothing was set aside."""
+    parent, name = os.path.split(os.path.abspath(target))
+    if os.path.lexists(target) or not os.path.isdir(parent):
+        return None
+    pattern = leftover_pattern(name)
+    old = sorted(e for e in os.listdir(parent) if (m := pattern.fullmatch(e)) and m.group(1) == "old")
+    return os.path.join(parent, old[0]) if old else None
+
+
 def clean_leftovers(target: str) -> list[str]:
     """Recover and remove what killed exports of ``target`` left beside it; the paths removed.
 
