@@ -319,3 +319,50 @@ def test_import_reads_what_a_killed_two_step_swap_set_aside(tmp_path: Path, sour
         np.testing.assert_array_equal(got[n].read(), want[n].read(), err_msg=n)
     clean_leftovers(str(target))
     assert snapshot(target) == before and leftovers(out, fmt) == []
+
+
+def test_only_an_exports_own_leftovers_are_removed(tmp_path: Path) -> None:
+    """clean_leftovers removes ``.NAME.partial-<12 hex>`` and ``.NAME.old-<12 hex>`` of dead exports only: not
+    look-alike names, not another target's, not the staging a running export holds."""
+    import fcntl
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "f").write_text("kept")
+    keep = [".m.partial-xyz", ".m.old-0123", ".mm.partial-0123456789ab", "m.partial-0123456789ab",
+            ".m.partial-0123456789ab.x", "other"]
+    for name in keep:
+        (tmp_path / name).write_text("x")
+    dead = [tmp_path / ".m.partial-bbbbbbbbbbbb", tmp_path / ".m.old-cccccccccccc"]
+    for path in dead:
+        path.mkdir()
+        (path / "f").write_text("x")
+    live = tmp_path / ".m.partial-aaaaaaaaaaaa"
+    live.mkdir()
+    fd = os.open(live, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # as a running export holds its staging
+        assert sorted(clean_leftovers(str(tmp_path / "m"))) == sorted(map(str, dead))
+    finally:
+        os.close(fd)
+    assert sorted(os.listdir(tmp_path)) == sorted([*keep, "m", live.name])
+    assert (tmp_path / "m" / "f").read_text() == "kept"
+
+
+def test_kinds_and_empty_folders(tmp_path: Path) -> None:
+    """A folder export never replaces a file, nor a file export a folder (even with overwrite); an empty folder
+    holds no export: it is replaced without overwrite."""
+    from reshard.store.io.replace import replacing
+
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(NotADirectoryError), replacing(str(tmp_path / "file"), overwrite=True, folder=True):
+        pass
+    with pytest.raises(IsADirectoryError), replacing(str(tmp_path / "folder"), overwrite=True, folder=False):
+        pass
+    with replacing(str(tmp_path / "folder"), overwrite=False, folder=True) as staging:
+        Path(staging, "new").write_text("y")
+    assert os.listdir(tmp_path / "folder") == ["new"] and sorted(os.listdir(tmp_path)) == ["file", "folder"]
+    with pytest.raises(RuntimeError), replacing(str(tmp_path / "folder"), overwrite=True, folder=True) as staging:
+        Path(staging, "half").write_text("z")
+        raise RuntimeError("the export failed")
+    assert os.listdir(tmp_path / "folder") == ["new"] and sorted(os.listdir(tmp_path)) == ["file", "folder"]

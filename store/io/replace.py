@@ -107,9 +107,10 @@ def holds_export(path: str) -> bool:
     return os.path.lexists(path) and (not os.path.isdir(path) or os.path.islink(path) or bool(os.listdir(path)))
 
 
-def refuse_existing(target: str, overwrite: bool) -> None:
-    """Raise :class:`CheckpointExistsError` naming ``target`` when it holds an export and not ``overwrite``."""
-    if not overwrite and holds_export(target):
+def refuse_existing(target: str, overwrite: bool, exists: bool | None = None) -> None:
+    """Raise :class:`CheckpointExistsError` naming ``target`` when it exists (default: it holds an export,
+    :func:`holds_export`) and not ``overwrite``."""
+    if not overwrite and (holds_export(target) if exists is None else exists):
         raise CheckpointExistsError(f"{target} already exists; overwrite=True (--overwrite on the command line) "
                                     "replaces it whole")
 
@@ -288,9 +289,7 @@ def replacing(target: str, *, overwrite: bool, folder: bool,
         import fsspec
 
         fs, path = fsspec.core.url_to_fs(target, **dict(storage_options or {}))
-        if fs.exists(path) and not overwrite:
-            raise CheckpointExistsError(f"{target} already exists; overwrite=True (--overwrite on the command "
-                                        "line) replaces it whole")
+        refuse_existing(target, overwrite, not overwrite and fs.exists(path))
         yield target
         return
     target = os.path.abspath(os.path.expanduser(target.removeprefix("file://")))
