@@ -51,7 +51,8 @@ RESHARD = {
                  "    t.update({{f'optimizer.{{w}}.{{n}}': l for n, l in zip(g['names'], lays) "
                  "for w in ['fp32', *g['states']]}})\n"
                  "rs.redivide(ck, {dst!r}, t, overwrite=True)\n"),
-    "export": "from reshard.store.frontends.deepspeed import export_deepspeed as f; f({src!r}, {dst!r}, 3)",
+    "export": ("from reshard.store.frontends.deepspeed import export_deepspeed as f; "
+               "f({src!r}, {dst!r}, 3, overwrite=True)"),
 }
 
 

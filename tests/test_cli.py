@@ -324,6 +324,7 @@ def test_demo_quick(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "save 8 ranks (tp4 x dp2)" in out and "redivide 8 -> 7" in out and "VERIFIED" in out
     assert (tmp_path / "d" / "model.safetensors").stat().st_size > 0
+    assert run("demo", "--out", str(tmp_path / "d"), "--quick") == 0  # again: the demo replaces its own files
 
 
 def test_usage_errors_exit_2(ckpt_url, capsys):

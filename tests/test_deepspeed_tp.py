@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import reshard.store as rs
 import torch
+from dssaves import STATES, build_save, reference_parts
 from reshard.layouts import FlatLayout
 from reshard.layouts.errors import FormatError, UnsupportedError
 from reshard.store.frontends.deepspeed import deepspeed_layouts, export_deepspeed, import_deepspeed
-from test_deepspeed import STATES, build_save, reference_parts
 
 RNG = np.random.default_rng(2727)
 #: The whole model, in DeepSpeed's group order, and how each parameter is split over the TP ranks.
@@ -234,7 +234,6 @@ def test_docs_page_runs_on_built_saves(tmp_path, monkeypatch):
     """docs/deepspeed.md's python blocks, run as pasted (tests/test_docs.py's reader) in a folder holding the saves
     they name, built here: ``ckpts/`` (ZeRO-2, 4 DP ranks) and ``ckpts-tp/`` (2 TP x 2 DP). What they read and
     write holds the built values: the tensor read, both redivisions, and both exports imported again."""
-    from test_deepspeed import build_save
     from test_docs import DOCS, blocks
 
     monkeypatch.chdir(tmp_path)

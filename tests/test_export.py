@@ -152,6 +152,12 @@ def test_safetensors_to_an_fsspec_url(ckpt: tuple[rs.Checkpoint, dict[str, Any]]
     assert stats.bytes_written == len(data)
     got = load_file(str(local))
     assert bits(got["t.float32"]) == bits(st["t.float32"]) and bits(got["t.uint16"]) == bits(st["t.uint16"])
+    with pytest.raises(rs.CheckpointExistsError, match=rf"^{url} already exists; overwrite=True"):
+        c.export(url, names=["t.uint16"])  # an object that exists is refused, as a local file is
+    assert fsspec.open(url, "rb").open().read() == data
+    c.export(url, names=["t.uint16"], overwrite=True)
+    local.write_bytes(fsspec.open(url, "rb").open().read())
+    assert list(load_file(str(local))) == ["t.uint16"]
 
 
 # ---------------------------------------------------------------------- npz

@@ -28,7 +28,7 @@ def _dcp(tmp: Path) -> Path:
 
 
 def _deepspeed(tmp: Path) -> Path:
-    from test_deepspeed import build_save
+    from dssaves import build_save
 
     build_save(tmp / "ds", 2, 2)
     return tmp / "ds"

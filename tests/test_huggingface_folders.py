@@ -36,7 +36,7 @@ def test_reexport_refuses_a_folder_that_is_not_empty(tmp_path: Path) -> None:
     rs.save(_state(), str(tmp_path / "ck"))
     export_safetensors(str(tmp_path / "ck"), tmp_path / "hf", max_shard_size="10KB")
     before = {n: (tmp_path / "hf" / n).read_bytes() for n in _files(tmp_path / "hf")}
-    with pytest.raises(rs.CheckpointExistsError, match=r"not empty.*overwrite"):
+    with pytest.raises(rs.CheckpointExistsError, match=r"hf already exists.*overwrite"):
         export_safetensors(str(tmp_path / "ck"), tmp_path / "hf")
     assert {n: (tmp_path / "hf" / n).read_bytes() for n in _files(tmp_path / "hf")} == before
 

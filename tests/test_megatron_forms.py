@@ -371,8 +371,11 @@ def test_export_refusals(tmp_path):
     import_megatron(str(DATA / "dp_reshardable"), str(tmp_path / "rs"))
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
-    with pytest.raises(FormatError, match="not empty"):
+    with pytest.raises(rs.CheckpointExistsError, match=r"full already exists.*--overwrite"):
         export_megatron(str(tmp_path / "rs"), str(tmp_path / "full"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full", "rs"] and (tmp_path / "full" / "x").read_text() == "x"
+    export_megatron(str(tmp_path / "rs"), str(tmp_path / "full"), overwrite=True)
+    assert not (tmp_path / "full" / "x").exists() and (tmp_path / "full" / "common.pt").is_file()
     rs.save({"w": np.ones((2, 3), np.float32)}, str(tmp_path / "plain"))
     with pytest.raises(FormatError, match="no optimizer param groups"):
         export_megatron(str(tmp_path / "plain"), str(tmp_path / "x"))

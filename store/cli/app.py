@@ -191,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix", default="", help="torch only: export the tensors under PREFIX, named without it "
                                                 "(--prefix model. gives a file for model.load_state_dict)")
     p.add_argument("--overwrite", action="store_true",
-                   help="safetensors folders: replace a folder that is not empty (written beside it, then swapped in)")
+                   help="replace an existing FILE (a folder: one that is not empty) whole: the export is written "
+                        "beside it, then swapped in; without it an existing FILE is refused")
     p = add("gc", cmd_gc, "delete the saves a checkpoint no longer uses: replaced ones and abandoned attempts")
     p.add_argument("url")
     p.add_argument("--min-age", type=float, default=3600.0, metavar="SECONDS",

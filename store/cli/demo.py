@@ -220,7 +220,8 @@ def run_demo(out: str = "./reshard-demo", ranks: int = 8, quick: bool = False,
                    lambda: [ckpt.load(target, r) for r in range(new)])
     timed(f"redivide {ranks} -> {new} (new checkpoint)", total, lambda: redivide(ckpt, dst, target, overwrite=True))
     gc(dst, min_age=0)  # an earlier run's redivided save goes
-    timed(f"integrate {ranks} -> 1 (safetensors)", total, lambda: ckpt.export(single, format="safetensors"))
+    timed(f"integrate {ranks} -> 1 (safetensors)", total,
+          lambda: ckpt.export(single, format="safetensors", overwrite=True))  # an earlier run's file is replaced
 
     def verify() -> int:
         checked = 0

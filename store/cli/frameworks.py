@@ -261,7 +261,7 @@ def _export_deepspeed(args: argparse.Namespace, t0: float) -> int:
 
     done = export_deepspeed(args.src, args.file, args.dp, tag=args.tag, tp=args.tp,
                             tp_split=tp_split_option(args.parser, args.tp_split),
-                            storage_options=storage_options(args.storage_option))
+                            storage_options=storage_options(args.storage_option), overwrite=args.overwrite)
     print(f"exported a ZeRO-{done['stage']} save for {done['dp']} data-parallel x {done['tp']} model-parallel "
           f"ranks to {done['folder']} "
           f"({done['files']} files) in {time.perf_counter() - t0:.2f} s")
@@ -272,7 +272,8 @@ def _export_megatron(args: argparse.Namespace, t0: float) -> int:
     from ..frontends.megatron import export_megatron
     from .commands import storage_options
 
-    done = export_megatron(args.src, args.file, storage_options=storage_options(args.storage_option))
+    done = export_megatron(args.src, args.file, storage_options=storage_options(args.storage_option),
+                           overwrite=args.overwrite)
     print(f"exported a Megatron-Core torch_dist save (fully_reshardable, {done['tensors']} tensors, "
           f"{done['states']} optimizer states) to {done['folder']} in {time.perf_counter() - t0:.2f} s")
     return 0
@@ -284,7 +285,7 @@ def _export_mindspore(args: argparse.Namespace, t0: float) -> int:
 
     files = export_mindspore(args.src, args.file, Path(args.strategy).read_bytes(),
                              format=getattr(args, "ms_format", None) or "ckpt",
-                             storage_options=storage_options(args.storage_option))
+                             storage_options=storage_options(args.storage_option), overwrite=args.overwrite)
     print(f"exported {len(files)} rank files under {args.file} in {time.perf_counter() - t0:.2f} s")
     return 0
 
@@ -315,7 +316,8 @@ def _export_torch(args: argparse.Namespace, t0: float) -> int:
     from ..frontends.torch import export_torch
     from .commands import storage_options
 
-    stats = export_torch(args.src, args.file, prefix=args.prefix, storage_options=storage_options(args.storage_option))
+    stats = export_torch(args.src, args.file, prefix=args.prefix, storage_options=storage_options(args.storage_option),
+                         overwrite=args.overwrite)
     return _exported(args, "torch", t0, stats)
 
 
@@ -323,7 +325,7 @@ def export_file(args: argparse.Namespace, fmt: str, t0: float) -> int:
     """One file of a format :meth:`Checkpoint.export` writes itself (safetensors, npz), streaming."""
     from .commands import open_url
 
-    return _exported(args, fmt, t0, open_url(args.src, args).export(args.file, format=fmt))
+    return _exported(args, fmt, t0, open_url(args.src, args).export(args.file, format=fmt, overwrite=args.overwrite))
 
 
 def _exported(args: argparse.Namespace, fmt: str, t0: float, stats: Any) -> int:

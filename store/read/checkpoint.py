@@ -342,7 +342,8 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
         return layout
 
     def export(self, path: str, format: str = "safetensors", **options: Any) -> IOStats:
-        """Stream every tensor into one file; see :func:`reshard.store.read.export.export`."""
+        """Stream every tensor into one file (an existing one only with ``overwrite=True``); see
+        :func:`reshard.store.read.export.export`."""
         from .export import export
 
         return export(self, path, format=format, **options)

@@ -9,7 +9,11 @@ tasks (see :mod:`reshard.store.read.graph`). Peak memory is the in-flight byte
 * safetensors to a local path: the header is written first, then tasks read
   their slabs and ``pwrite`` them at their final offsets, in parallel
   (with a dask.distributed client the path must be visible to every worker:
-  a shared filesystem). The file appears under its name only once complete.
+  a shared filesystem).
+
+Every export writes through :func:`reshard.store.io.replace.replacing`: an
+existing file is refused unless ``overwrite``, and a local file appears under
+its name only once complete and fsynced (``os.replace`` of a staging sibling).
 * npz, and safetensors to an fsspec URL: tasks run in waves of at most
   ``budget`` bytes and this process writes their results in order.
 
@@ -42,6 +46,7 @@ from reshard.layouts.errors import BadNameError
 from ..format.meta import ArrayMeta
 from ..format.tree import json_leaves
 from ..io.localfs import is_local_url
+from ..io.replace import replacing
 from ..io.stats import IOStats
 from . import graph
 
@@ -143,7 +148,8 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 def export(ckpt: Checkpoint, path: str, format: str = "safetensors", names: Iterable[str] | None = None,
            progress: bool | None = None, *, scheduler: Any = None, budget: int = graph.DEFAULT_BUDGET,
            fusion: int | str | None = None, fuse_bytes: int = graph.DEFAULT_FUSE_BYTES, gap: int | None = None,
-           metadata: dict[str, str] | None = None, storage_options: dict[str, Any] | None = None) -> IOStats:
+           metadata: dict[str, str] | None = None, storage_options: dict[str, Any] | None = None,
+           overwrite: bool = False) -> IOStats:
     """Stream tensors of a checkpoint into one safetensors or npz file.
 
     Parameters
@@ -151,7 +157,7 @@ def export(ckpt: Checkpoint, path: str, format: str = "safetensors", names: Iter
     ckpt : Checkpoint
         The open checkpoint.
     path : str
-        Output file: a local path or an fsspec URL. Replaced if it exists.
+        Output file: a local path or an fsspec URL.
     format : {"safetensors", "npz"}
         Output format.
     names : iterable of str, optional
@@ -171,6 +177,9 @@ def export(ckpt: Checkpoint, path: str, format: str = "safetensors", names: Iter
         the checkpoint's non-tensor leaves as JSON under ``"reshard.leaves"``.
     storage_options : dict, optional
         fsspec options for a remote ``path``.
+    overwrite : bool
+        Replace ``path`` if it exists (else :class:`~reshard.layouts.errors.CheckpointExistsError`); a
+        local file is replaced whole, never left half-written (:mod:`reshard.store.io.replace`).
 
     Returns
     -------
@@ -194,12 +203,12 @@ def export(ckpt: Checkpoint, path: str, format: str = "safetensors", names: Iter
     source = graph.source_of(ckpt, gap)
     local = is_local_url(str(path))
     try:
-        with graph.progress_bar(len(groups), f"export {format}", progress) as bar:
+        with replacing(str(path), overwrite=overwrite, folder=False, storage_options=storage_options) as out, \
+                graph.progress_bar(len(groups), f"export {format}", progress) as bar:
             if format == "safetensors" and local:
-                parts, size = _export_local(str(path).removeprefix("file://"), header, pieces, groups, source,
-                                            ref, scheduler, bar)
+                parts, size = _export_local(out, header, pieces, groups, source, ref, scheduler, bar)
             else:
-                parts, size = _export_stream(path, format, header, metas, groups, source, ref, scheduler, bar,
+                parts, size = _export_stream(out, format, header, metas, groups, source, ref, scheduler, bar,
                                              storage_options, ckpt.leaves)
     finally:
         graph.release(ref)
@@ -248,22 +257,13 @@ def safetensors_header(metas: list[ArrayMeta], leaves: dict[str, Any],
 
 def _export_local(path: str, header: bytes, pieces: list[Slab], groups: list[list[Slab]],
                   source: graph.Source, ref: graph.BudgetRef, scheduler: Any, bar: Any) -> tuple[list[IOStats], int]:
-    tmp = f"{path}.partial"
     size = len(header) + sum(p.op.nbytes for p in pieces)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(header)
-            f.truncate(size)
-        prefix = f"reshard-export-{ref.token}"
-        dsk = {(prefix, g): (write_task, WriteTask(source, tuple(group), tmp, ref))
-               for g, group in enumerate(groups)}
-        parts = graph.run(dsk, list(dsk), scheduler, bar)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    return parts, size
+    with open(path, "wb") as f:
+        f.write(header)
+        f.truncate(size)
+    prefix = f"reshard-export-{ref.token}"
+    dsk = {(prefix, g): (write_task, WriteTask(source, tuple(group), path, ref)) for g, group in enumerate(groups)}
+    return graph.run(dsk, list(dsk), scheduler, bar), size
 
 
 def _waves(groups: list[list[Slab]], limit: int) -> list[list[list[Slab]]]:

@@ -42,7 +42,7 @@ from reshard.layouts.errors import CheckpointNotFoundError, FormatError, Unsuppo
 
 from ...format.torch_arrays import to_numpy
 from ...write.writer import create, single_process
-from ..sources import Skips, local_path, refuse_empty
+from ..sources import Skips, refuse_empty, source_path
 from ..torch.pt_files import Stub, load_pt, plain
 from .tp import Rules, block_layout, full_shape, join, tp_layout
 
@@ -51,7 +51,7 @@ OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$
 
 def tag_folder(src: str, tag: str | None = None) -> str:
     """The folder of one save: ``src/tag``, ``src/<latest>``, or ``src`` itself when it holds the files."""
-    src = local_path(src)
+    src = source_path(src)
     if tag is not None:
         return os.path.join(src, tag)
     latest = os.path.join(src, "latest")

@@ -40,6 +40,7 @@ from reshard.layouts.errors import FormatError, UnsupportedError
 
 from ...format.torch_arrays import from_numpy
 from ...format.tree import unflatten
+from ...io.replace import replacing
 from ...read.checkpoint import Checkpoint
 from ...read.open import open as open_checkpoint
 from ..sources import local_path
@@ -49,7 +50,7 @@ from .tp import Rules, offsets, split_shapes, tp_layout
 
 def export_deepspeed(src: str | Checkpoint, dst: str, dp: int, *, tag: str = "reshard", tp: int | None = None,
                      tp_split: Mapping[str, Any] | None = None,
-                     storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+                     storage_options: dict[str, Any] | None = None, overwrite: bool = False) -> dict[str, Any]:
     """Write checkpoint ``src`` (imported from DeepSpeed) as a ZeRO save for ``dp`` data-parallel ranks.
 
     Parameters
@@ -57,7 +58,9 @@ def export_deepspeed(src: str | Checkpoint, dst: str, dp: int, *, tag: str = "re
     src : str or Checkpoint
         A checkpoint :func:`~reshard.store.frontends.deepspeed.read.import_deepspeed` wrote (or a redivision of one).
     dst : str
-        A local folder; the save goes to ``dst/tag`` and ``dst/latest`` names it.
+        A local folder; the save goes to ``dst/tag`` and ``dst/latest`` names it. ``dst`` is the export's
+        unit: written beside it and swapped in whole (:mod:`reshard.store.io.replace`), so it holds this
+        save only (no file of an earlier export survives), and a kill leaves the old ``dst`` or the new.
     dp : int
         The data-parallel size to write for.
     tag : str
@@ -68,6 +71,10 @@ def export_deepspeed(src: str | Checkpoint, dst: str, dp: int, *, tag: str = "re
     tp_split : mapping, optional
         ``{pattern: rule}`` as for the import, before the rules the import recorded (needed to write a
         data-parallel save for ``tp > 1``).
+    storage_options : dict, optional
+        fsspec options of ``src``.
+    overwrite : bool
+        Replace a ``dst`` that is not empty (else :class:`~reshard.layouts.errors.CheckpointExistsError`).
 
     Returns
     -------
@@ -85,60 +92,80 @@ def export_deepspeed(src: str | Checkpoint, dst: str, dp: int, *, tag: str = "re
     tp = plan.tp
     buffers = [[group_buffer(stage, plan.shapes(g, m), dp, plan.paddings(g, m)) for g in range(len(groups))]
                for m in range(tp)]
-    folder = os.path.join(local_path(dst), tag)
-    os.makedirs(folder, exist_ok=True)
-    files, written = [], 0
+    root = local_path(dst)
+    files, written = 0, 0
     prefix = "bf16_" if info.get("file_prefix") == "bf16_" else ""
-    for m in range(tp):
-        for rank in range(dp):
-            fp32, states = [], []
-            for g, (group, buf) in enumerate(zip(groups, buffers[m], strict=True)):
-                vectors = _rank_vectors(ckpt, group, buf, rank, plan.layouts(g, m, buffers), rank * tp + m)
-                fp32.append(vectors.pop("fp32")[: _lean(stage, plan.shapes(g, m), plan.paddings(g, m), buf, rank)])
-                scalars = {k: torch.tensor(float(v)) if k == "step" else v for k, v in group.get("scalars", {}).items()}
-                states.append({**scalars, **vectors})
-            param_groups = [{**_hyper(group.get("hyper", {})), "params": [g]} for g, group in enumerate(groups)]
-            base = {"state": dict(enumerate(states)), "param_groups": param_groups}
-            optim = dict(info.get("optimizer") or {})
-            optim["loss_scaler"] = foreign(optim.get("loss_scaler"), LOSS_SCALER)
-            optim.setdefault("dynamic_loss_scale", False)
-            optim.setdefault("overflow", False)
-            optim.setdefault("ds_version", info.get("ds_version"))
-            zero_stage = _named(STAGE_ENUM, (stage,), None)
-            if stage == 3:
-                osd = {**optim, "zero_stage": zero_stage, "partition_count": dp, "optimizer_state_dict": base,
-                       "fp32_flat_groups": fp32}
-            else:
-                osd = {**optim, "zero_stage": zero_stage, "base_optimizer_state": base,
-                       "single_partition_of_fp32_groups": fp32,
-                       "group_paddings": [_padding(plan.shapes(g, m), plan.paddings(g, m), buf, dp)
-                                          if rank == dp - 1 else 0 for g, buf in enumerate(buffers[m])],
-                       "param_alignment_paddings": [plan.paddings(g, m) for g in range(len(groups))],
-                       "partition_count": [dp] * len(groups)}
-            path = os.path.join(folder, f"{prefix}zero_pp_rank_{rank}_mp_rank_{m:02d}_optim_states.pt")
-            torch.save({"optimizer_state_dict": osd, "ds_config": info.get("ds_config"),
-                        "ds_version": info.get("ds_version")}, path, pickle_module=PICKLE)
-            files.append(path)
-            written += sum(t.numel() * t.element_size() for t in fp32) + sum(
-                v.numel() * v.element_size() for s in states for v in s.values() if isinstance(v, torch.Tensor))
-        model = {**dict(info.get("model_states") or {}), "module": _module(ckpt, groups, stage, plan, m),
-                 "optimizer": None, "dp_world_size": dp, "mp_world_size": tp,
-                 "param_shapes": [OrderedDict((n, torch.Size(s)) for n, s in
-                                              zip(g["names"], plan.shapes(i, m), strict=True))
-                                  for i, g in enumerate(groups)]}
-        if isinstance(model.get("checkpoint_parallel_dimensions"), dict):
-            model["checkpoint_parallel_dimensions"] = {**model["checkpoint_parallel_dimensions"], "tp_degree": tp}
-        for key in ("frozen_param_shapes", "frozen_param_fragments"):
-            model[key] = OrderedDict(model.get(key) or {})
-        names = [f"zero_pp_rank_{r}_mp_rank_{m:02d}_model_states.pt" for r in range(dp)] if stage == 3 \
-            else [f"mp_rank_{m:02d}_model_states.pt"]
-        for name in names:
-            torch.save(model, os.path.join(folder, name))
-            files.append(os.path.join(folder, name))
-    with open(os.path.join(local_path(dst), "latest"), "w") as f:
-        f.write(tag)
-    return {"folder": folder, "dp": dp, "tp": tp, "stage": stage, "files": len(files), "bytes": written}
+    with replacing(root, overwrite=overwrite, folder=True) as staging:  # DIR whole: TAG and latest together
+        folder = os.path.join(staging, tag)
+        os.mkdir(folder)
+        for m in range(tp):
+            for rank in range(dp):
+                state, nbytes = _optim_states(ckpt, info, plan, buffers, m, rank, dp)
+                torch.save(state, os.path.join(folder, f"{prefix}zero_pp_rank_{rank}_mp_rank_{m:02d}_optim_states.pt"),
+                           pickle_module=PICKLE)
+                files, written = files + 1, written + nbytes
+            model = _model_states(ckpt, info, plan, m, dp)
+            names = [f"zero_pp_rank_{r}_mp_rank_{m:02d}_model_states.pt" for r in range(dp)] if stage == 3 \
+                else [f"mp_rank_{m:02d}_model_states.pt"]
+            for name in names:
+                torch.save(model, os.path.join(folder, name))
+            files += len(names)
+        with open(os.path.join(staging, "latest"), "w") as f:
+            f.write(tag)
+    return {"folder": os.path.join(root, tag), "dp": dp, "tp": tp, "stage": stage, "files": files, "bytes": written}
 
+
+def _optim_states(ckpt: Checkpoint, info: dict[str, Any], plan: TPPlan, buffers: list[list[FlatBuffer]], m: int,
+                  rank: int, dp: int) -> tuple[dict[str, Any], int]:
+    """One ``zero_pp_rank_<rank>_mp_rank_<m>_optim_states.pt`` file's contents, and its tensor bytes."""
+    import torch
+
+    stage, groups, tp = int(info["stage"]), info["groups"], plan.tp
+    fp32, states = [], []
+    for g, (group, buf) in enumerate(zip(groups, buffers[m], strict=True)):
+        vectors = _rank_vectors(ckpt, group, buf, rank, plan.layouts(g, m, buffers), rank * tp + m)
+        fp32.append(vectors.pop("fp32")[: _lean(stage, plan.shapes(g, m), plan.paddings(g, m), buf, rank)])
+        scalars = {k: torch.tensor(float(v)) if k == "step" else v for k, v in group.get("scalars", {}).items()}
+        states.append({**scalars, **vectors})
+    param_groups = [{**_hyper(group.get("hyper", {})), "params": [g]} for g, group in enumerate(groups)]
+    base = {"state": dict(enumerate(states)), "param_groups": param_groups}
+    optim = dict(info.get("optimizer") or {})
+    optim["loss_scaler"] = foreign(optim.get("loss_scaler"), LOSS_SCALER)
+    optim.setdefault("dynamic_loss_scale", False)
+    optim.setdefault("overflow", False)
+    optim.setdefault("ds_version", info.get("ds_version"))
+    zero_stage = _named(STAGE_ENUM, (stage,), None)
+    if stage == 3:
+        osd = {**optim, "zero_stage": zero_stage, "partition_count": dp, "optimizer_state_dict": base,
+               "fp32_flat_groups": fp32}
+    else:
+        osd = {**optim, "zero_stage": zero_stage, "base_optimizer_state": base,
+               "single_partition_of_fp32_groups": fp32,
+               "group_paddings": [_padding(plan.shapes(g, m), plan.paddings(g, m), buf, dp)
+                                  if rank == dp - 1 else 0 for g, buf in enumerate(buffers[m])],
+               "param_alignment_paddings": [plan.paddings(g, m) for g in range(len(groups))],
+               "partition_count": [dp] * len(groups)}
+    nbytes = sum(t.numel() * t.element_size() for t in fp32) + sum(
+        v.numel() * v.element_size() for s in states for v in s.values() if isinstance(v, torch.Tensor))
+    return {"optimizer_state_dict": osd, "ds_config": info.get("ds_config"), "ds_version": info.get("ds_version")}, \
+        nbytes
+
+
+def _model_states(ckpt: Checkpoint, info: dict[str, Any], plan: TPPlan, m: int, dp: int) -> dict[str, Any]:
+    """Model-parallel rank ``m``'s model states file's contents."""
+    import torch
+
+    stage, groups, tp = int(info["stage"]), info["groups"], plan.tp
+    model = {**dict(info.get("model_states") or {}), "module": _module(ckpt, groups, stage, plan, m),
+             "optimizer": None, "dp_world_size": dp, "mp_world_size": tp,
+             "param_shapes": [OrderedDict((n, torch.Size(s)) for n, s in
+                                          zip(g["names"], plan.shapes(i, m), strict=True))
+                              for i, g in enumerate(groups)]}
+    if isinstance(model.get("checkpoint_parallel_dimensions"), dict):
+        model["checkpoint_parallel_dimensions"] = {**model["checkpoint_parallel_dimensions"], "tp_degree": tp}
+    for key in ("frozen_param_shapes", "frozen_param_fragments"):
+        model[key] = OrderedDict(model.get(key) or {})
+    return model
 
 def deepspeed_layouts(src: str | Checkpoint | dict[str, Any], dp: int, *, tp: int | None = None,
                       tp_split: Mapping[str, Any] | None = None) -> dict[str, FlatLayout]:

@@ -7,24 +7,21 @@ the small regular files beside the weights of an imported folder as the leaf
 bytes, never pickled), and :func:`write_files` writes them back on export after
 checking each digest.
 
-:func:`replaced_folder` gives an export a fresh folder beside the target and
-swaps it in when the export is complete, so a folder never mixes the files of
-two exports (``transformers`` would load whichever weights it finds).
+The export writes the folder through :func:`reshard.store.io.replace.replacing`,
+which swaps it in whole when complete, so a folder never mixes the files of two
+exports (``transformers`` would load whichever weights it finds).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
-import shutil
-import uuid
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import PurePosixPath
 from typing import Any
 
-from reshard.layouts.errors import CheckpointExistsError, FormatError
+from reshard.layouts.errors import FormatError
 
 from ...read.export import FILES_LEAF
 
@@ -106,33 +103,3 @@ def write_files(files: list[tuple[str, bytes]], folder: str) -> list[str]:
             f.write(data)
         paths.append(path)
     return paths
-
-
-@contextlib.contextmanager
-def replaced_folder(folder: str, overwrite: bool) -> Iterator[str]:
-    """A fresh folder beside ``folder`` to export into; on success it replaces ``folder`` whole.
-
-    Raises
-    ------
-    CheckpointExistsError
-        ``folder`` exists and is not empty, and ``overwrite`` is False.
-    NotADirectoryError
-        ``folder`` is a file.
-    """
-    if os.path.isfile(folder):
-        raise NotADirectoryError(f"{folder} is a file; export safetensors shards into a folder")
-    if os.path.isdir(folder) and os.listdir(folder) and not overwrite:
-        raise CheckpointExistsError(f"{folder} is not empty; pass overwrite=True (--overwrite) to replace it whole")
-    parent, base = os.path.split(os.path.abspath(folder))
-    fresh = os.path.join(parent, f".{base}.partial-{uuid.uuid4().hex[:8]}")
-    os.makedirs(fresh)
-    try:
-        yield fresh
-    except BaseException:
-        shutil.rmtree(fresh, ignore_errors=True)
-        raise
-    old = os.path.join(parent, f".{base}.old-{uuid.uuid4().hex[:8]}")
-    if os.path.isdir(folder):
-        os.rename(folder, old)
-    os.rename(fresh, folder)
-    shutil.rmtree(old, ignore_errors=True)

@@ -48,7 +48,7 @@ from ...read.checkpoint import Checkpoint
 from ...read.export import FILES_LEAF, METADATA_LEAF, SAFETENSORS_DTYPES
 from ...read.open import open as open_checkpoint
 from ...write.writer import create, single_process
-from ..sources import Skips, refuse_empty
+from ..sources import Skips, refuse_empty, source_path
 from .folder import INDEX_NAME, collect_files
 
 if TYPE_CHECKING:
@@ -274,6 +274,7 @@ def import_safetensors(src: str | os.PathLike[str], dst_url: str, *, layouts: La
     DTypeMismatchError
         A dtype reshard does not store.
     """
+    src = source_path(src)
     files, weight_map = source_files(src, src_storage_options)
     headers = [read_header(f, src_storage_options) for f in files]  # every header is checked before writing
     pieces = _pieces(str(src), headers)

@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from reshard.layouts.errors import BadNameError
 
+from ...io.replace import replacing
 from ...read.checkpoint import Checkpoint
 from ...read.open import open as open_checkpoint
-from .folder import INDEX_NAME, SHARD_NAME, SINGLE_NAME, kept_files, replaced_folder, write_files
+from .folder import INDEX_NAME, SHARD_NAME, SINGLE_NAME, kept_files, write_files
 
 if TYPE_CHECKING:
     from ...io.stats import IOStats
@@ -73,7 +74,8 @@ def export_safetensors(src: str | Checkpoint, folder: str | os.PathLike[str], *,
         ``weight_map``), as ``transformers``' ``save_pretrained`` writes them,
         plus the files kept at import (``config.json``, tokenizer files...).
         Everything is written into a new folder beside it, which then replaces
-        it whole: the folder never mixes two exports.
+        it whole (:mod:`reshard.store.io.replace`): the folder never mixes two
+        exports, and a kill leaves the old folder or the new one.
     max_shard_size : int or str
         Largest shard (``"5GB"``, ``"500MiB"``, bytes); a tensor larger than
         this is a shard alone.
@@ -85,7 +87,7 @@ def export_safetensors(src: str | Checkpoint, folder: str | os.PathLike[str], *,
     storage_options : dict, optional
         fsspec options of ``src``.
     overwrite : bool
-        Replace a folder that is not empty (else ``CheckpointExistsError``).
+        Replace a folder that is not empty (else ``CheckpointExistsError``); an empty one is always replaced.
     **options
         As for :func:`reshard.store.read.export.export` (``budget``, ``scheduler``...).
 
@@ -107,7 +109,7 @@ def export_safetensors(src: str | Checkpoint, folder: str | os.PathLike[str], *,
     out = os.fspath(folder)
     files, weight_map = [], {}
     total: IOStats | None = None
-    with replaced_folder(out, overwrite) as fresh:
+    with replacing(out, overwrite=overwrite, folder=True) as fresh:
         for k, part in enumerate(shards, 1):
             file = SINGLE_NAME if len(shards) == 1 else SHARD_NAME.format(k=k, n=len(shards))
             stats = ckpt.export(os.path.join(fresh, file), format="safetensors", names=part, metadata=metadata,

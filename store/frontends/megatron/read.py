@@ -47,7 +47,7 @@ from reshard.layouts.errors import CheckpointNotFoundError, FormatError, Unsuppo
 from ...format.tree import to_json
 from ...io.storage import Storage
 from ...write.writer import create, single_process
-from ..sources import Skips, local_path, refuse_empty
+from ..sources import Skips, refuse_empty, source_path
 from ..torch.dcp import _dcp_item, _DCPMetadataUnpickler, _regroup, read_dcp_metadata
 from ..torch.pt_files import load_pt, plain, stub_class
 from .buckets import BUCKET_OBJECTS, PREFIXED_BUCKETS, is_bucket_key, place_buckets
@@ -129,7 +129,7 @@ def import_megatron(src: str, dst: str, *, skip: Sequence[str] = (), **options: 
     """
     from ...format.torch_arrays import to_numpy
 
-    folder = local_path(src)
+    folder = source_path(src)
     store = Storage(folder)
     try:
         backend = json.loads(store.read("metadata.json"))

@@ -30,6 +30,7 @@ from typing import Any
 from reshard.layouts.errors import FormatError
 
 from ...format.torch_arrays import from_numpy
+from ...io.replace import refuse_existing, replacing
 from ...read.checkpoint import Checkpoint
 from ...read.open import open as open_checkpoint
 from ..sources import local_path
@@ -41,8 +42,8 @@ BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "commo
            "common_backend_version": 1}
 
 
-def export_megatron(src: str | Checkpoint, dst: str, *, storage_options: dict[str, Any] | None = None
-                    ) -> dict[str, Any]:
+def export_megatron(src: str | Checkpoint, dst: str, *, storage_options: dict[str, Any] | None = None,
+                    overwrite: bool = False) -> dict[str, Any]:
     """Write checkpoint ``src`` (imported from Megatron-Core) as a ``torch_dist`` save, ``fully_reshardable`` form.
 
     Parameters
@@ -50,7 +51,12 @@ def export_megatron(src: str | Checkpoint, dst: str, *, storage_options: dict[st
     src : str or Checkpoint
         A checkpoint :func:`~reshard.store.frontends.megatron.read.import_megatron` wrote (or a redivision of one).
     dst : str
-        A local folder, new or empty.
+        A local folder, written beside it and swapped in whole (:mod:`reshard.store.io.replace`): a kill
+        leaves the old folder or the new one.
+    storage_options : dict, optional
+        fsspec options of ``src``.
+    overwrite : bool
+        Replace a ``dst`` that is not empty (else :class:`~reshard.layouts.errors.CheckpointExistsError`).
 
     Returns
     -------
@@ -60,7 +66,9 @@ def export_megatron(src: str | Checkpoint, dst: str, *, storage_options: dict[st
     Raises
     ------
     FormatError
-        When ``src`` holds no optimizer param groups (not a Megatron import) or ``dst`` is not empty.
+        When ``src`` holds no optimizer param groups (not a Megatron import).
+    CheckpointExistsError
+        ``dst`` is not empty and ``overwrite`` is False.
     """
     import torch
     import torch.distributed.checkpoint as dcp
@@ -68,8 +76,7 @@ def export_megatron(src: str | Checkpoint, dst: str, *, storage_options: dict[st
 
     ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src, storage_options=storage_options)
     folder = local_path(dst)
-    if os.path.isdir(folder) and os.listdir(folder):
-        raise FormatError(f"{folder} is not empty: export_megatron writes a new folder")
+    refuse_existing(folder, overwrite)
     names: dict[str, str] = {}  # DCP key -> checkpoint tensor
     states = 0
     for name in sorted(ckpt.arrays):
@@ -96,14 +103,13 @@ def export_megatron(src: str | Checkpoint, dst: str, *, storage_options: dict[st
                 return from_numpy(ckpt[names[index.fqn]].read())
             return super().lookup_object(index)
 
-    os.makedirs(folder, exist_ok=True)
-    with warnings.catch_warnings():  # one process, no process group: what no_dist says
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(folder, thread_count=1, single_file_per_rank=True),
+    with replacing(folder, overwrite=overwrite, folder=True) as staging, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)  # no_dist
+        dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(staging, thread_count=1, single_file_per_rank=True),
                  planner=Planner(flatten_state_dict=False), no_dist=True)
-    torch.save(common, os.path.join(folder, "common.pt"))
-    with open(os.path.join(folder, "metadata.json"), "w") as f:
-        json.dump(BACKEND, f)
+        torch.save(common, os.path.join(staging, "common.pt"))
+        with open(os.path.join(staging, "metadata.json"), "w") as f:
+            json.dump(BACKEND, f)
     return {"tensors": len(names), "states": states, "objects": len(objects), "folder": folder}
 
 

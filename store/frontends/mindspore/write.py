@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -14,6 +15,7 @@ from reshard.layouts.errors import (
 )
 
 from ...format.tree import flatten
+from ...io.replace import replacing
 from ...read.checkpoint import Checkpoint
 from ...read.open import open
 from .ckpt import (
@@ -25,8 +27,8 @@ from .files import StrategyLike, load_strategy
 def export_mindspore(src_url: str | Checkpoint, dst_dir: str | os.PathLike[str], strategy: StrategyLike = None,
                      *, ranks: Iterable[int] | None = None, shapes: Mapping[str, Sequence[int]] | None = None,
                      file_name: str | None = None, format: str = "ckpt", crc: bool = False,
-                     prefixes: Sequence[str] = OPTIMIZER_PREFIXES,
-                     storage_options: dict[str, Any] | None = None) -> dict[int, Path]:
+                     prefixes: Sequence[str] = OPTIMIZER_PREFIXES, storage_options: dict[str, Any] | None = None,
+                     overwrite: bool = False) -> dict[int, Path]:
     """Write ``dst_dir/rank_M/checkpoint_M.ckpt`` for a target strategy, from a reshard checkpoint.
 
     Parameters
@@ -34,7 +36,9 @@ def export_mindspore(src_url: str | Checkpoint, dst_dir: str | os.PathLike[str],
     src_url : str or Checkpoint
         The checkpoint to divide.
     dst_dir : path
-        Output folder (``rank_M`` folders are created).
+        Output folder. Each ``rank_M`` folder is an export's unit: every one is
+        written beside its target, then each replaces its target whole
+        (:mod:`reshard.store.io.replace`); other entries of ``dst_dir`` are left alone.
     strategy : path, bytes, dict, {name: Layout} or None
         The target strategy. Tensors it does not cover (directly or through
         their parameter, see :func:`layout_for`) go whole into every target
@@ -56,6 +60,9 @@ def export_mindspore(src_url: str | Checkpoint, dst_dir: str | os.PathLike[str],
         Optimizer-state prefixes.
     storage_options : dict, optional
         fsspec options for ``src_url``.
+    overwrite : bool
+        Replace ``rank_M`` folders that are not empty (else
+        :class:`~reshard.layouts.errors.CheckpointExistsError`, before anything is written).
 
     Returns
     -------
@@ -80,18 +87,23 @@ def export_mindspore(src_url: str | Checkpoint, dst_dir: str | os.PathLike[str],
     targets = {name: mapped.get(name) or Layout(meta.shape, (len(all_ranks),), tuple(all_ranks))
                for name, meta in ckpt.arrays.items()}
     leaves = {n: _leaf(v) for n, v in ckpt.leaves.items()}
-    written = {}
-    for rank in sorted(ranks) if ranks is not None else all_ranks:
+    chosen = sorted(ranks) if ranks is not None else all_ranks
+    for rank in chosen:
         if rank not in all_ranks:
             raise LayoutError(f"rank {rank} is not in the target strategy's ranks {all_ranks[0]}..{all_ranks[-1]}")
-        tensors, _ = flatten(ckpt.load(targets, rank, names=[n for n, t in targets.items() if rank in t.ranks]),
-                             ckpt.arrays)
-        values = {**tensors, **{n: v for n, v in leaves.items() if v is not None}}
-        path = Path(dst_dir) / f"rank_{rank}" / file_name.replace("{rank}", str(rank))
-        if format == "safetensors":
-            path = path.with_suffix(".safetensors") if path.suffix == ".ckpt" else path
-        write_file(path, values, crc=crc)
-        written[rank] = path
+    names = {rank: file_name.replace("{rank}", str(rank)) for rank in chosen}
+    if format == "safetensors":
+        names = {rank: str(Path(n).with_suffix(".safetensors")) if n.endswith(".ckpt") else n
+                 for rank, n in names.items()}
+    written = {rank: Path(dst_dir) / f"rank_{rank}" / names[rank] for rank in chosen}
+    with contextlib.ExitStack() as stack:  # every rank folder staged, then each swapped in whole
+        staged = {rank: stack.enter_context(replacing(os.fspath(path.parent), overwrite=overwrite, folder=True))
+                  for rank, path in written.items()}
+        for rank in chosen:
+            tensors, _ = flatten(ckpt.load(targets, rank, names=[n for n, t in targets.items() if rank in t.ranks]),
+                                 ckpt.arrays)
+            values = {**tensors, **{n: v for n, v in leaves.items() if v is not None}}
+            write_file(Path(staged[rank]) / names[rank], values, crc=crc)
     return written
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -25,6 +26,7 @@ from reshard.layouts.errors import ShapeMismatchError, TensorNotFoundError
 from ...format.torch_arrays import from_numpy, to_numpy
 from ...format.tree import to_json
 from ...io.localfs import is_local_url
+from ...io.replace import replacing
 from ...io.stats import IOStats
 from ...read.open import open
 from ...write.writer import create
@@ -392,13 +394,16 @@ def _targets(ckpt: Any, state_dict: Mapping[str, Any], rank: int,
 
 
 # -------------------------------------------------------------- export
-def export_torch(url: str, path: str, *, prefix: str = "", storage_options: dict[str, Any] | None = None) -> IOStats:
+def export_torch(url: str, path: str, *, prefix: str = "", storage_options: dict[str, Any] | None = None,
+                 overwrite: bool = False) -> IOStats:
     """Write a checkpoint's tensors as one ``torch.save`` file of a flat ``{name: tensor}`` dict.
 
     For inference: ``prefix="model."`` keeps the tensors under ``model`` and
     strips the prefix, so the file loads with ``model.load_state_dict``.
     ``torch.save`` needs every tensor in memory at once; for a file written
-    with bounded memory use ``ckpt.export(path, "safetensors")``.
+    with bounded memory use ``ckpt.export(path, "safetensors")``. An existing
+    ``path`` is refused (:class:`~reshard.layouts.errors.CheckpointExistsError`)
+    unless ``overwrite``; the file is replaced whole (:mod:`reshard.store.io.replace`).
 
     Returns
     -------
@@ -411,7 +416,9 @@ def export_torch(url: str, path: str, *, prefix: str = "", storage_options: dict
     names = [n for n in ckpt.arrays if n.startswith(prefix)]
     if not names:
         raise TensorNotFoundError(f"{ckpt.url} holds no tensor under {prefix!r}")
-    arrays = {n: np.empty(ckpt.arrays[n].shape, ckpt.arrays[n].np_dtype) for n in names}
-    stats = ckpt.read_regions([(ckpt.arrays[n], tuple(slice(0, s) for s in a.shape), a) for n, a in arrays.items()])
-    torch.save({n[len(prefix):]: from_numpy(a) for n, a in arrays.items()}, path)
+    with replacing(os.fspath(path), overwrite=overwrite, folder=False) as out:
+        arrays = {n: np.empty(ckpt.arrays[n].shape, ckpt.arrays[n].np_dtype) for n in names}
+        stats = ckpt.read_regions([(ckpt.arrays[n], tuple(slice(0, s) for s in a.shape), a)
+                                   for n, a in arrays.items()])
+        torch.save({n[len(prefix):]: from_numpy(a) for n, a in arrays.items()}, out)
     return stats
