@@ -131,19 +131,18 @@ def decode(where: str, raw: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(io.BytesIO(raw), columns=["path", "offset", "size", "raw"])
+        table = pq.ParquetFile(pa.BufferReader(raw)).read(columns=["path", "offset", "size", "raw"], use_threads=False)
     except (pa.ArrowException, OSError, ValueError, KeyError) as e:
         raise FormatError(f"{where}: not a parquet file of shard references ({e})") from None
     types = [table.schema.field(c).type for c in ("path", "offset", "size")]
-    if not (pa.types.is_string(types[0]) or pa.types.is_dictionary(types[0])) or \
-            not all(pa.types.is_integer(t) for t in types[1:]):
+    if not pa.types.is_string(types[0]) or not all(pa.types.is_integer(t) for t in types[1:]):
         raise FormatError(f"{where}: its columns path, offset, size are {[str(t) for t in types]}, not a string "
                           "and two integers")
     if table.column("raw").null_count != table.num_rows:
         raise FormatError(f"{where}: rows with inline bytes (column raw): plain zarr would read those, not the "
                           "shards")
-    paths = np.asarray(table.column("path").to_pylist(), dtype=object)
-    return paths, table.column("offset").to_numpy(), table.column("size").to_numpy()
+    paths, offsets, sizes = (table.column(c).to_numpy(zero_copy_only=False) for c in ("path", "offset", "size"))
+    return paths, offsets, sizes
 
 
 @functools.lru_cache(maxsize=1)
