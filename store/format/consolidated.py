@@ -206,7 +206,7 @@ class RootMetadata:
             if type(shape) is not list or not all(type(n) is int and n >= 0 for n in shape) or dtype not in SUPPORTED:
                 at = f"{self.where}: summary of tensor {name!r}"  # the checks again, to name what is wrong
                 int_list(shape, at, "shape"), dtype_of(dtype, at, "dtype")
-            out[name] = ArrayMeta.deferred(name, tuple(shape), dtype, functools.partial(self.array, name))
+            out[name] = ArrayMeta.deferred(name, tuple(shape), dtype, functools.partial(self.array, name), self.where)
         return out
 
     def _record(self, name: str, index: int) -> dict[str, Any]:

@@ -205,10 +205,12 @@ class ArrayMeta:
     source: Callable[[], ArrayMeta] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
-    def deferred(cls, name: str, shape: tuple[int, ...], dtype: str, source: Callable[[], ArrayMeta]) -> ArrayMeta:
-        """A record knowing ``name``, ``shape`` and ``dtype``; ``source()`` gives the rest on first use."""
+    def deferred(cls, name: str, shape: tuple[int, ...], dtype: str, source: Callable[[], ArrayMeta],
+                 where: str = "") -> ArrayMeta:
+        """A record knowing ``name``, ``shape`` and ``dtype``; ``source()`` gives the rest on first use
+        (``where``: the document holding both, for messages)."""
         obj = object.__new__(cls)
-        obj.__dict__.update(name=name, shape=shape, dtype=dtype, source=source)
+        obj.__dict__.update(name=name, shape=shape, dtype=dtype, source=source, _where=where)
         return obj
 
     def _resolve(self) -> None:
@@ -216,12 +218,15 @@ class ArrayMeta:
             raise AttributeError(f"tensor {self.name!r}: incomplete array record")
         full = self.source()
         if (full.name, full.shape, full.dtype) != (self.name, self.shape, self.dtype):
-            raise FormatError(f"tensor {self.name!r}: its metadata says {full.dtype}{list(full.shape)}, the "
-                              f"checkpoint's summary {self.dtype}{list(self.shape)}")
+            where = self.__dict__.get("_where")
+            raise FormatError(f"{where + ': ' if where else ''}tensor {self.name!r}: its metadata says "
+                              f"{full.dtype}{list(full.shape)}, the checkpoint's summary "
+                              f"{self.dtype}{list(self.shape)}")
         full.validate()
         for f in _DEFERRED:
             self.__dict__[f] = full.__dict__[f]
         self.__dict__["source"] = None  # complete now: a plain record (dask ships and tokenizes it)
+        self.__dict__.pop("_where", None)
 
     def resolve(self) -> ArrayMeta:
         """Complete a deferred record now, checked against the summary (before buffers are sized by it)."""
