@@ -161,6 +161,11 @@ def _edit_parquet(root: pathlib.Path, edit: Callable[[dict[str, list[Any]], int]
     objects = sorted(set(rows["path"]))
     path.write_bytes(references_parquet.encode(objects, np.asarray([objects.index(p) for p in rows["path"]]),
                                                np.asarray(rows["offset"]), np.asarray(rows["size"])))
+    _reseal_parquet(root)
+
+
+def _reseal_parquet(root: pathlib.Path) -> None:
+    """Re-seal the marker's ``parquet_sha256`` over the parquet references as they are now."""
     metas = list(rs.open(str(root)).arrays.values())
     keys = references_parquet.keys([m.path for m in metas], [m.grid for m in metas])
     parq = root / "gen-0" / "refs.parq"
