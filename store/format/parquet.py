@@ -131,7 +131,8 @@ def decode(where: str, raw: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     import pyarrow.parquet as pq
 
     try:
-        table = pq.ParquetFile(pa.BufferReader(raw)).read(columns=["path", "offset", "size", "raw"], use_threads=False)
+        table = pq.ParquetFile(pa.BufferReader(raw), pre_buffer=False).read(columns=["path", "offset", "size", "raw"],
+                                                                            use_threads=False)
     except (pa.ArrowException, OSError, ValueError, KeyError) as e:
         raise FormatError(f"{where}: not a parquet file of shard references ({e})") from None
     types = [table.schema.field(c).type for c in ("path", "offset", "size")]

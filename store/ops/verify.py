@@ -54,8 +54,8 @@ KINDS = {
     "array-json": "an array's zarr.json is missing, malformed, or differs from the consolidated metadata",
     "group-json": "a group's zarr.json is missing, malformed, or differs from the consolidated metadata",
     "manifest": "a rank's manifest is missing, malformed, or disagrees with the committed metadata",
-    "references": "packed form: refs.json (what zarr-python reads) is missing, does not match the marker, or "
-                  "disagrees with the root zarr.json or with where the ranks' manifests say the shards are",
+    "references": "packed form: refs.json or refs.parq (what zarr-python reads) is missing, does not match the "
+                  "marker, or disagrees with the root zarr.json or with where the ranks' manifests say the shards are",
     "shard": "a shard object is missing, truncated, or its index is damaged",
     "checksum": "a chunk's bytes fail their crc32c",
     "replaced": "the checkpoint was committed anew while it was verified",
@@ -296,9 +296,9 @@ def _check_parquet(gen: Storage, marker: Marker, ckpt: Checkpoint, report: Verif
                                                      "and grids (what plain zarr reads the tensors' metadata from)")
         return hashlib.sha256(raw).hexdigest(), None
 
-    jobs: list[Callable[[], tuple[str | None, Damage | None]]] = [
-        functools.partial(rows, *r) for r in references_parquet.records(paths, grids)]
-    done = pool.run_all([*jobs, zmetadata], gen.local)
+    last = zmetadata()  # first: the root document it parses (O(tensors)) is let go before the rows are read
+    jobs = [functools.partial(rows, *r) for r in references_parquet.records(paths, grids)]
+    done = [*pool.run_all(jobs, gen.local), last]
     report.damage += [d for _, d in done if d is not None]
     shas = [sha for sha, _ in done if sha is not None]
     report.files_checked += len(shas)
