@@ -633,7 +633,7 @@ def pristine(parser: str, base: Path) -> dict[str, Any]:
     return PRISTINE[parser]
 
 
-def judge(name: str, spec: Case, got: dict[str, Any], want: dict[str, Any], case: Path) -> tuple[str, str]:
+def judge(spec: Case, got: dict[str, Any], want: dict[str, Any], case: Path) -> tuple[str, str]:
     """``(outcome, detail)``: ``exact``, ``refused``/``reported`` (naming the file), or a failure."""
     outcome, detail = got["outcome"], got.get("detail", "")
     if (case / CANARY).exists():
@@ -664,11 +664,12 @@ def test_a_hostile_file_is_refused_naming_it_or_read_exactly(tmp_path_factory: p
     want = pristine(spec.parser, base)
     assert want["outcome"] == "ok", f"{spec.parser}: the unedited sample does not read: {want}"
     case = copy(build(spec.parser, base / "samples"), tmp_path / "case")
-    (tmp_path / "outside" / "packed").mkdir(parents=True)  # what a name escaping the root would reach
-    (tmp_path / "outside" / "packed" / "0.bin").write_bytes(b"SECRET" * 100)
+    (tmp_path / "outside" / "packed").mkdir(parents=True)  # what the names escaping the root would reach
+    for secret in ("packed/0.bin", "packed/secret.distcp", "model.safetensors"):
+        (tmp_path / "outside" / secret).write_bytes(b"SECRET" * 100)
     spec.edit(case)
     got = _run(spec.parser, case, tmp_path)
-    outcome, detail = judge(name, spec, got, want, case)
+    outcome, detail = judge(spec, got, want, case)
     grew = got["rss_kib"] - got.get("start_kib", got["rss_kib"])
     FIGURES.setdefault(spec.parser, []).append((name, outcome, got["rss_kib"], grew))
     print(f"\n{name:40s} {outcome:10s} peak RSS {got['rss_kib'] / 1024:7.1f} MiB (+{grew / 1024:.1f})  "
