@@ -483,8 +483,8 @@ def test_large_shards_load_without_their_index_and_verify_still_checks_it(tmp_pa
     write_ranks(url, full, layouts, [0, 1]).commit()
     decoded: list[str] = []
     decode_index = fetch.decode_index
-    monkeypatch.setattr(fetch, "decode_index", lambda data, meta, key, shard=None: decoded.append(key) or
-                        decode_index(data, meta, key, shard))
+    monkeypatch.setattr(fetch, "decode_index", lambda data, meta, key, *rest: decoded.append(key) or
+                        decode_index(data, meta, key, *rest))
     target = {n: Layout.from_dtensor((3,), ["S(0)"], (1024, 256)) for n in layouts}
     ckpt = rs.open(url)
     got = ckpt.load(target, 1)

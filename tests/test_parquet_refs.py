@@ -9,10 +9,14 @@ reads the same values.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import pathlib
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,6 +24,10 @@ import reshard.store as rs
 
 pytest.importorskip("pyarrow")
 pytest.importorskip("pandas")
+
+import pyarrow.parquet as pq
+from reshard.store.format import parquet as references_parquet
+from reshard.store.format.schema import with_digest
 
 from tests.test_trailer import save
 
@@ -135,3 +143,78 @@ def test_verify_checks_the_parquet_references(tmp_path):
     for name, value in full.items():
         np.testing.assert_array_equal(got[name].read(), value)
     assert rs.verify(url).ok
+
+
+def _reseal(root: pathlib.Path, **digests: str) -> None:
+    """Rewrite the commit marker with ``digests`` (and its own sha256), as anyone who can write the files can."""
+    marker = root / ".reshard" / "commit.json"
+    doc = json.loads(marker.read_bytes())
+    doc.pop("sha256")
+    marker.write_bytes(with_digest({**doc, **digests}))
+
+
+def _edit_parquet(root: pathlib.Path, edit: Callable[[dict[str, list[Any]], int], None]) -> None:
+    """Edit the rows of ``all/t3``'s parquet file (``edit(columns, object size)``), then re-seal the marker."""
+    path = root / "gen-0" / "refs.parq" / "all" / "t3" / "refs.0.parq"
+    rows = pq.read_table(path).to_pydict()
+    edit(rows, (root / "gen-0" / "packed" / "0.bin").stat().st_size)
+    objects = sorted(set(rows["path"]))
+    path.write_bytes(references_parquet.encode(objects, np.asarray([objects.index(p) for p in rows["path"]]),
+                                               np.asarray(rows["offset"]), np.asarray(rows["size"])))
+    _reseal_parquet(root)
+
+
+def _reseal_parquet(root: pathlib.Path) -> None:
+    """Re-seal the marker's ``parquet_sha256`` over the parquet references as they are now."""
+    metas = list(rs.open(str(root)).arrays.values())
+    keys = references_parquet.keys([m.path for m in metas], [m.grid for m in metas])
+    parq = root / "gen-0" / "refs.parq"
+    _reseal(root, parquet_sha256=references_parquet.digest([hashlib.sha256((parq / k).read_bytes()).hexdigest()
+                                                            for k in keys]))
+
+
+def _edit_json(root: pathlib.Path, edit: Callable[[dict[str, list[Any]], int], None]) -> None:
+    """The same edit of ``all/t3``'s shard references in refs.json, then re-seal the marker."""
+    path = root / "gen-0" / "refs.json"
+    doc = json.loads(path.read_bytes())
+    keys = [f"all/t3/c/{i}/0" for i in range(4)]
+    rows = {"path": [doc["refs"][k][0] for k in keys], "offset": [doc["refs"][k][1] for k in keys],
+            "size": [doc["refs"][k][2] for k in keys]}
+    edit(rows, (root / "gen-0" / "packed" / "0.bin").stat().st_size)
+    for i, k in enumerate(keys):
+        doc["refs"][k] = [rows["path"][i], rows["offset"][i], rows["size"][i]]
+    path.write_bytes(json.dumps(doc).encode())
+    _reseal(root, references_sha256=hashlib.sha256(path.read_bytes()).hexdigest())
+
+
+def _swap(rows: dict[str, list[Any]], size: int) -> None:
+    for column in rows.values():
+        column[0], column[1] = column[1], column[0]
+
+
+def _past_the_object(rows: dict[str, list[Any]], size: int) -> None:
+    rows["offset"][0] = size + 4096
+
+
+@pytest.mark.parametrize("form", ["parquet", "json"])
+@pytest.mark.parametrize("edit", [_swap, _past_the_object], ids=["swapped-rows", "past-the-object"])
+def test_verify_checks_every_reference_against_the_ranks_tables(tmp_path, form, edit):
+    """Issue 35 item 5: references rewritten and re-sealed in the marker (so every digest agrees) make the plain
+    zarr recipe read another rank's rows or zeros while reshard reads the saved data: verify must report the
+    tensor, the shard and the file."""
+    pytest.importorskip("fastparquet")
+    url = str(tmp_path / "ck")
+    full, _ = save(url, parquet=True)
+    (_edit_parquet if form == "parquet" else _edit_json)(tmp_path / "ck", edit)
+    got = rs.open(url)
+    for name, value in full.items():  # reshard reads through the ranks' tables: exact
+        np.testing.assert_array_equal(got[name].read(), value)
+    plain_t3 = plain(url, "fastparquet", form)["all/t3"]
+    assert not np.array_equal(plain_t3, full["all.t3"])  # what the check is for: plain zarr reads other data
+    if edit is _past_the_object:
+        assert not plain_t3[:2].any()  # the first shard's rows read as zeros
+    report = rs.verify(url, data=False)
+    assert report.kinds() == {"references"}, report.problems
+    file = "refs.parq/all/t3/refs.0.parq" if form == "parquet" else "refs.json"
+    assert any(file in p and "tensor 'all.t3', shard 'all/t3/c/0/0'" in p for p in report.problems), \
+        report.problems

@@ -227,6 +227,7 @@ class ArrayMeta:
         for f in _DEFERRED:
             self.__dict__[f] = full.__dict__[f]
         self.__dict__["source"] = None  # complete now: a plain record (dask ships and tokenizes it)
+        self.__dict__.pop("_where", None)
 
     def resolve(self) -> ArrayMeta:
         """Complete a deferred record now, checked against the summary (before buffers are sized by it)."""

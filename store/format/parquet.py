@@ -33,6 +33,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
+from reshard.layouts.errors import FormatError
 
 #: Folder of a packed save's parquet references, relative to its generation.
 PARQUET_KEY = "refs.parq"
@@ -68,30 +69,31 @@ def metadata(root: bytes, paths: Sequence[str], grids: Sequence[tuple[int, ...]]
     return json.dumps({"metadata": meta, "record_size": RECORD_SIZE}, separators=(",", ":")).encode()
 
 
+def records(paths: Sequence[str], grids: Sequence[tuple[int, ...]]) -> Iterator[tuple[int, str, int, int]]:
+    """``(tensor t, key under refs.parq, lo, hi)`` of every parquet file, tensor by tensor: the file of tensor
+    ``t``'s shards ``lo`` to ``hi`` (C order of its grid; every shard of a tensor up to :data:`RECORD_SIZE`)."""
+    for t, (path, grid) in enumerate(zip(paths, grids, strict=True)):
+        n = int(np.prod(grid)) if grid else 1
+        for record, lo in enumerate(range(0, n, RECORD_SIZE)):
+            yield t, f"{path}/refs.{record}.parq", lo, min(n, lo + RECORD_SIZE)
+
+
 def files(paths: Sequence[str], grids: Sequence[tuple[int, ...]], objects: Sequence[str], obj: np.ndarray,
           off: np.ndarray, length: np.ndarray) -> Iterator[tuple[str, Any]]:
-    """``(key under refs.parq, a callable making its bytes)`` for each parquet file, tensor by tensor.
+    """``(key under refs.parq, the arguments of :func:`encode` making its bytes)`` for each parquet file.
 
     Shards as :func:`reshard.store.format.refs.stream` takes them: tensor ``t`` from its
     start in ``obj``/``off``/``length``, in C order of its grid.
     """
-    at = 0
-    for path, grid in zip(paths, grids, strict=True):
-        n = int(np.prod(grid)) if grid else 1
-        for record, lo in enumerate(range(0, n, RECORD_SIZE)):
-            hi = min(n, lo + RECORD_SIZE)
-            yield f"{path}/refs.{record}.parq", (objects, obj[at + lo : at + hi], off[at + lo : at + hi],
-                                                  length[at + lo : at + hi])
-        at += n
+    starts = np.concatenate([[0], np.cumsum([int(np.prod(g)) if g else 1 for g in grids])]).astype(np.int64)
+    for t, key, lo, hi in records(paths, grids):
+        at = int(starts[t])
+        yield key, (objects, obj[at + lo : at + hi], off[at + lo : at + hi], length[at + lo : at + hi])
 
 
 def keys(paths: Sequence[str], grids: Sequence[tuple[int, ...]]) -> list[str]:
     """Every file's key under ``refs.parq`` (``.zmetadata`` last), as :func:`files` and the commit write them."""
-    out = []
-    for path, grid in zip(paths, grids, strict=True):
-        n = int(np.prod(grid)) if grid else 1
-        out += [f"{path}/refs.{record}.parq" for record in range(-(-n // RECORD_SIZE))]
-    return [*out, ".zmetadata"]
+    return [*(key for _, key, _, _ in records(paths, grids)), ".zmetadata"]
 
 
 def digest(shas: Sequence[str]) -> str:
@@ -113,6 +115,35 @@ def encode(objects: Sequence[str], obj: np.ndarray, off: np.ndarray, length: np.
     out = io.BytesIO()
     pq.write_table(table, out, compression="zstd", write_statistics=False)
     return out.getvalue()
+
+
+def decode(where: str, raw: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rows of one parquet file of shard locations: (object keys, offsets, lengths), as plain zarr's reader
+    (fsspec's lazy references) takes them.
+
+    Raises
+    ------
+    FormatError
+        Not a parquet file of the columns :func:`encode` writes (``path`` strings, ``offset`` and ``size``
+        integers), or a row with inline bytes (``raw``: fsspec would serve those instead of the object's).
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.ParquetFile(pa.BufferReader(raw), pre_buffer=False).read(columns=["path", "offset", "size", "raw"],
+                                                                            use_threads=False)
+    except (pa.ArrowException, OSError, ValueError, KeyError) as e:
+        raise FormatError(f"{where}: not a parquet file of shard references ({e})") from None
+    types = [table.schema.field(c).type for c in ("path", "offset", "size")]
+    if not pa.types.is_string(types[0]) or not all(pa.types.is_integer(t) for t in types[1:]):
+        raise FormatError(f"{where}: its columns path, offset, size are {[str(t) for t in types]}, not a string "
+                          "and two integers")
+    if table.column("raw").null_count != table.num_rows:
+        raise FormatError(f"{where}: rows with inline bytes (column raw): plain zarr would read those, not the "
+                          "shards")
+    paths, offsets, sizes = (table.column(c).to_numpy(zero_copy_only=False) for c in ("path", "offset", "size"))
+    return paths, offsets, sizes
 
 
 @functools.lru_cache(maxsize=1)

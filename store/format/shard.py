@@ -27,13 +27,18 @@ Region = tuple[slice, ...]
 SMALL_SHARD_BYTES = 256 << 10
 
 
-def decode_index(data: bytes, meta: ArrayMeta, key: str, shard: tuple[int, ...] | None = None) -> np.ndarray:
-    """Parse and check the index of the shard at grid index ``shard``; returns an ``(n, 2)`` uint64 array."""
+def decode_index(data: bytes, meta: ArrayMeta, key: str, shard: tuple[int, ...] | None = None,
+                 where: str = "") -> np.ndarray:
+    """Parse and check the index of the shard at grid index ``shard``; returns an ``(n, 2)`` uint64 array.
+
+    ``where``: the object (and range) the shard was read from, for messages.
+    """
+    at = f" ({where})" if where else ""
     if len(data) != meta.index_nbytes(shard):
-        raise FormatError(f"tensor {meta.name!r}: shard {key!r} is shorter than its index (truncated)")
+        raise FormatError(f"tensor {meta.name!r}: shard {key!r}{at} is shorter than its index (truncated)")
     raw, crc = data[:-4], data[-4:]
     if crc32c(raw) != int.from_bytes(crc, "little"):
-        raise ChecksumError(f"tensor {meta.name!r}: shard index of {key!r} fails its crc32c")
+        raise ChecksumError(f"tensor {meta.name!r}: shard index of {key!r}{at} fails its crc32c")
     index = np.frombuffer(raw, dtype="<u8").reshape(-1, 2)
     if meta.compressor is None:  # every stored chunk is its raw bytes (+ its crc32c): the metadata must agree
         want = meta.plain_chunk_nbytes
@@ -403,7 +408,8 @@ def execute_whole(storage: Storage, obj: str, reads: Sequence[WholeRead]) -> int
     for r, end in zip(reads, ends, strict=True):
         crc = r.meta.crc_nbytes
         if end[crc:] != one_chunk_index(r.body.nbytes + crc):  # then decode it, checked
-            index = decode_index(bytes(end[crc:]), r.meta, r.key, r.shard)
+            index = decode_index(bytes(end[crc:]), r.meta, r.key, r.shard,
+                                 f"{storage.url}/{obj} bytes {r.offset}+{r.nbytes}")
             blob = memoryview(bytes(r.body) + bytes(end))
             planned = plan_reads(r.meta, r.region, index, r.shard, r.key, r.dest)
             execute_mixed(storage, Request(r.key, 0, r.nbytes, tuple(planned)), [Target(r.meta, r.dest)] * len(planned),

@@ -267,7 +267,7 @@ class Fetcher:
                 raise FormatError(f"tensor {meta.name!r}: shard {key!r} is missing from {self.url}") from None
             except StorageError as e:
                 raise StorageError(f"tensor {meta.name!r}: {e}") from e
-            self.indexes[key] = decode_index(data, meta, key, shard)
+            self.indexes[key] = decode_index(data, meta, key, shard, f"{self.storage.url}/{key}")
             return size
 
         sizes = pool.run_batched([functools.partial(fetch, k, *w) for k, w in wanted.items()],
@@ -330,7 +330,7 @@ class Fetcher:
             if tail is None or n < meta.index_nbytes(shard):
                 raise FormatError(f"tensor {meta.name!r}: shard {key!r} is {n} bytes at {off} of {root.url}/{obj}, "
                                   f"too short for its index of {meta.index_nbytes(shard)} bytes")
-            self.indexes[key] = decode_index(bytes(tail), meta, key, shard)
+            self.indexes[key] = decode_index(bytes(tail), meta, key, shard, f"{root.url}/{obj} bytes {off}+{n}")
         work: list[tuple[Request, list[Target], memoryview | None]] = []
         far: list[ChunkRead] = []
         target_of: dict[int, Target] = {}

@@ -24,12 +24,19 @@ import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import fsspec
 import numpy as np
 import reshard.store as rs
 from reshard.layouts import Layout
+from reshard.store.commit.marker import Marker, metadata_digest, read_marker, read_root_document
+from reshard.store.format.consolidated import summary_seal
+from reshard.store.format.meta import COMMIT_KEY
+from reshard.store.format.refs import REFS_KEY
+from reshard.store.format.schema import with_digest
+from reshard.store.io.storage import Storage
 
 SEED = int(os.environ.get("RESHARD_RELIABILITY_SEED", "11"))
 SOAK = os.environ.get("RESHARD_SOAK", "") not in ("", "0")
@@ -211,6 +218,34 @@ def same(got: dict[str, Any], want: dict[str, Any]) -> bool:
         elif got[name] != value:
             return False
     return True
+
+
+# ------------------------------------------------------------- an attacker's edits
+def generation(root: Path) -> tuple[Storage, Marker]:
+    """The committed generation of the local checkpoint at ``root`` and its marker."""
+    storage = Storage(str(root))
+    found = read_marker(storage)
+    assert found is not None
+    return storage.child(found[0].generation), found[0]
+
+
+def reseal(root: Path, **fields: Any) -> None:
+    """Recompute the marker's digests of the references and the root document (and its summary), and its own,
+    as an attacker would; ``fields`` replace others (``parquet_sha256``...)."""
+    gen, marker = generation(root)
+    doc = json.loads((root / COMMIT_KEY).read_bytes())
+    doc.pop("sha256", None)
+    doc.pop("summary_bytes", None), doc.pop("summary_sha256", None)
+    if marker.form == "packed":
+        doc["references_sha256"] = metadata_digest((Path(gen.root) / REFS_KEY).read_bytes())
+    try:
+        _, raw = read_root_document(gen, marker)
+        doc["metadata_sha256"] = metadata_digest(raw)
+        doc.update(summary_seal(raw))
+    except FileNotFoundError:
+        pass
+    doc.update(fields)
+    (root / COMMIT_KEY).write_bytes(with_digest(doc))
 
 
 # ------------------------------------------------------------- outcomes

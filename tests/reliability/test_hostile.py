@@ -31,13 +31,11 @@ from typing import Any
 import numpy as np
 import pytest
 import reshard.store as rs
-from harness import SOAK, Tally
-from reshard.store.commit.marker import Marker, metadata_digest, read_marker, read_root_document
+from harness import SOAK, Tally, generation, reseal
+from reshard.store.commit.marker import read_root_document
 from reshard.store.format.encode import crc32c
 from reshard.store.format.meta import COMMIT_KEY
 from reshard.store.format.refs import REFS_KEY
-from reshard.store.format.schema import with_digest
-from reshard.store.io.storage import Storage
 
 #: Address space a case may use beyond the interpreter's own (torch, zarr, tensorstore and dask loaded).
 MEMORY_LIMIT = 1 << 30
@@ -90,38 +88,14 @@ def _save(root: Path, form: str, **options: Any) -> None:
     rs.save({**STATE, "step": 7}, str(root), form=form, checksums=False, **options)
 
 
-def _gen(root: Path) -> tuple[Storage, Marker]:
-    storage = Storage(str(root))
-    found = read_marker(storage)
-    assert found is not None
-    return storage.child(found[0].generation), found[0]
-
-
-def _reseal(root: Path, **fields: Any) -> None:
-    """Recompute the marker's digests of the references and the root document, and its own, as an attacker would."""
-    gen, marker = _gen(root)
-    doc = json.loads((root / COMMIT_KEY).read_bytes())
-    doc.pop("sha256", None)
-    doc.pop("summary_bytes", None), doc.pop("summary_sha256", None)
-    if marker.form == "packed":
-        doc["references_sha256"] = metadata_digest((Path(gen.root) / REFS_KEY).read_bytes())
-    try:
-        _, raw = read_root_document(gen, marker)
-        doc["metadata_sha256"] = metadata_digest(raw)
-    except FileNotFoundError:
-        pass
-    doc.update(fields)
-    (root / COMMIT_KEY).write_bytes(with_digest(doc))
-
-
 def _edit_refs(root: Path, edit: Callable[[dict[str, Any]], None]) -> None:
     """Edit the references and make the save located through them (a block writer's save does that)."""
-    gen, _ = _gen(root)
+    gen, _ = generation(root)
     path = Path(gen.root) / REFS_KEY
     doc = json.loads(path.read_bytes())
     edit(doc)
     path.write_bytes(json.dumps(doc).encode())
-    _reseal(root, locations="references")
+    reseal(root, locations="references")
 
 
 def _point(url: str, keys: tuple[str, ...] = ("big/c/0",)) -> Callable[[dict[str, Any]], None]:
@@ -134,12 +108,12 @@ def _point(url: str, keys: tuple[str, ...] = ("big/c/0",)) -> Callable[[dict[str
 
 
 def _shard_file(root: Path, key: str = "big/c/0") -> Path:
-    gen, _ = _gen(root)
+    gen, _ = generation(root)
     return Path(gen.root) / key
 
 
 def _data_object(root: Path) -> Path:
-    gen, _ = _gen(root)
+    gen, _ = generation(root)
     return next((Path(gen.root) / "packed").glob("*.bin"))
 
 
@@ -150,7 +124,7 @@ def _replace_with_link(path: Path, target: Path) -> None:
 
 def _array_doc_edit(root: Path, name: str, change: Callable[[dict[str, Any]], None]) -> None:
     """Edit one array's metadata everywhere it is stored (root document, its own zarr.json, the references)."""
-    gen, marker = _gen(root)
+    gen, marker = generation(root)
     key, raw = read_root_document(gen, marker)
     doc = json.loads(raw)
     change(doc["consolidated_metadata"]["metadata"][name])
@@ -172,7 +146,7 @@ def _array_doc_edit(root: Path, name: str, change: Callable[[dict[str, Any]], No
             change(one)
             r["refs"][f"{name}/zarr.json"] = json.dumps(one)
         refs.write_bytes(json.dumps(r).encode())
-    _reseal(root)
+    reseal(root)
 
 
 def _huge_shape(shape: list[int], chunk: list[int], dtype: str = "uint8") -> Callable[[dict[str, Any]], None]:
@@ -257,12 +231,12 @@ CASES: dict[str, tuple[str, Callable[..., Any]]] = {
     "marker-sparse-8GiB": ("directory", lambda r, o, c: _sparse(r / COMMIT_KEY)),
     "marker-fifo": ("directory", lambda r, o, c: _fifo(r / COMMIT_KEY)),
     "marker-link-devzero": ("directory", lambda r, o, c: _replace_with_link(r / COMMIT_KEY, Path("/dev/zero"))),
-    "root-json-sparse-8GiB": ("directory", lambda r, o, c: _sparse(Path(_gen(r)[0].root) / "zarr.json")),
-    "refs-sparse-8GiB": ("packed", lambda r, o, c: (_reseal(r, locations="references"),
-                                                     _sparse(Path(_gen(r)[0].root) / REFS_KEY))),
+    "root-json-sparse-8GiB": ("directory", lambda r, o, c: _sparse(Path(generation(r)[0].root) / "zarr.json")),
+    "refs-sparse-8GiB": ("packed", lambda r, o, c: (reseal(r, locations="references"),
+                                                     _sparse(Path(generation(r)[0].root) / REFS_KEY))),
     # item 13: a missing data object
     "data-object-missing": ("packed", lambda r, o, c: next(
-        (Path(_gen(r)[0].root) / "packed").glob("*-*.bin")).unlink()),
+        (Path(generation(r)[0].root) / "packed").glob("*-*.bin")).unlink()),
 }
 #: Cases of a checkpoint served over HTTP at a host's top (``http://127.0.0.1:PORT``): a sibling key reaching
 #: another port (SSRF).

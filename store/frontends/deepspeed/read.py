@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 from reshard.layouts import FlatBuffer, FlatLayout, Layout
-from reshard.layouts.errors import CheckpointNotFoundError, FormatError, UnsupportedError
+from reshard.layouts.errors import CheckpointNotFoundError, FormatError, ReshardError, UnsupportedError
 
 from ...format.torch_arrays import to_numpy
 from ...write.writer import create, single_process
@@ -199,7 +199,12 @@ class DeepSpeedFiles:
         out = []
         paddings = self.osd[0].get("param_alignment_paddings") if self.stage != 3 else None
         for g, named in enumerate(self.shapes):
-            buf = group_buffer(self.stage, [s for _, s in named], self.dp, paddings[g] if paddings else None)
+            pads = self._paddings(paddings[g], g, len(named)) if paddings and g < len(paddings) else None
+            try:
+                buf = group_buffer(self.stage, [s for _, s in named], self.dp, pads)
+            except (ReshardError, ValueError) as e:
+                raise FormatError(f"{self.folder}: group {g}{self._mp}: the model states' param_shapes do not make "
+                                  f"DeepSpeed's flat buffer: {e}") from None
             for r in range(self.dp):
                 fp32 = self.fp32(r)
                 if g >= len(fp32):
@@ -213,6 +218,18 @@ class DeepSpeedFiles:
                 self._check_mappings(r, g, named, buf)
             out.append(buf)
         return out
+
+    def _paddings(self, raw: Any, g: int, n: int) -> list[int]:
+        """Group ``g``'s ``param_alignment_paddings``: ``n`` counts of elements, none negative (a negative one would
+        overlap two parameters' ranges)."""
+        try:
+            pads = [int(p) for p in raw]
+        except (TypeError, ValueError):
+            pads = []
+        if len(pads) != n or min(pads, default=0) < 0:
+            raise FormatError(f"{self.folder}: rank 0{self._mp}'s param_alignment_paddings of group {g} are "
+                              f"{raw!r:.200}, not {n} counts of elements >= 0")
+        return pads
 
     def _check_mappings(self, rank: int, g: int, named: list[tuple[str, tuple[int, ...]]], buf: FlatBuffer) -> None:
         maps = self.osd[rank].get("param_slice_mappings")

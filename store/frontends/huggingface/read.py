@@ -196,13 +196,11 @@ def source_files(src: str | os.PathLike[str],
     base = str(src).rstrip("/")
     if not fs.exists(fpath):
         raise CheckpointNotFoundError(f"{src} does not exist (a .safetensors file, an index, or a folder)")
+    index = index_file(src, storage_options)
+    if index is not None:
+        return read_index(index, storage_options)
     if fs.isdir(fpath):
         names = sorted(PurePosixPath(p).name for p in fs.ls(fpath, detail=False))
-        indexes = [n for n in names if n.endswith(".safetensors.index.json")]
-        if INDEX_NAME in indexes or len(indexes) == 1:
-            return source_files(f"{base}/{INDEX_NAME if INDEX_NAME in indexes else indexes[0]}", storage_options)
-        if indexes:
-            raise FormatError(f"{src} holds several index files {indexes}; name one")
         files = [f"{base}/{n}" for n in names if n.endswith(".safetensors")]
         if len(files) > 1 and all(DCP_SHARDING_KEY in read_header(f, storage_options).metadata for f in files):
             return files, None  # torch's HuggingFaceStorageWriter, one file per rank
@@ -210,25 +208,54 @@ def source_files(src: str | os.PathLike[str],
             raise FormatError(f"{src} holds {len(files)} .safetensors files and no {INDEX_NAME}: "
                               + ("name the file" if files else "nothing to import"))
         return files, None
-    if base.endswith(".json"):
-        with fs.open(fpath, "rb") as f:
-            try:
-                index = json.loads(f.read())
-                weight_map = index["weight_map"]
-                if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-                    raise TypeError
-            except (ValueError, KeyError, TypeError):
-                raise FormatError(f"{src}: not a safetensors index (no weight_map of tensor -> file)") from None
-        folder = base.rsplit("/", 1)[0] if "/" in base else "."
-        files = list(dict.fromkeys(weight_map.values()))
-        for name in files:
-            if "/" in name or name in ("", ".", ".."):
-                raise FormatError(f"{src}: weight_map names a file outside its folder: {name!r}")
-        return [f"{folder}/{n}" for n in files], dict(weight_map)
     if DCP_SHARDING_KEY in read_header(base, storage_options).metadata:
         raise FormatError(f"{src} is one rank's file of a per-rank save ({DCP_SHARDING_KEY}: its tensors are pieces "
                           "at offsets in the whole): import the folder that holds every rank's file")
     return [base], None
+
+
+def index_file(src: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> str | None:
+    """The index ``src`` is (a ``*.json`` file), or the one its folder holds (``model.safetensors.index.json``,
+    else its only ``*.safetensors.index.json``); None if it has none."""
+    fs, fpath = _fs(str(src), storage_options)
+    base = str(src).rstrip("/")
+    if not fs.isdir(fpath):
+        return base if base.endswith(".json") else None
+    indexes = sorted(n for n in (PurePosixPath(p).name for p in fs.ls(fpath, detail=False))
+                     if n.endswith(".safetensors.index.json"))
+    if len(indexes) > 1 and INDEX_NAME not in indexes:
+        raise FormatError(f"{src} holds several index files {indexes}; name one")
+    return f"{base}/{INDEX_NAME if INDEX_NAME in indexes else indexes[0]}" if indexes else None
+
+
+def read_index(index: str, storage_options: Mapping[str, Any] | None = None) -> tuple[list[str], dict[str, str]]:
+    """The files a Hugging Face index names, in its folder, and its ``weight_map`` (tensor -> file name).
+
+    Raises
+    ------
+    FormatError
+        Naming the index: over :data:`MAX_HEADER` bytes, not JSON, no ``weight_map`` of tensor -> file, a file
+        outside its folder or missing.
+    """
+    fs, fpath = _fs(index, storage_options)
+    size = fs.size(fpath)
+    if size > MAX_HEADER:
+        raise FormatError(f"{index} is {size} bytes, over the {MAX_HEADER}-byte limit of a safetensors index")
+    with fs.open(fpath, "rb") as f:
+        try:
+            weight_map = json.loads(f.read(MAX_HEADER))["weight_map"]
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise TypeError
+        except (ValueError, KeyError, TypeError, RecursionError):
+            raise FormatError(f"{index}: not a safetensors index (no weight_map of tensor -> file)") from None
+    folder = index.rsplit("/", 1)[0] if "/" in index else "."
+    files = list(dict.fromkeys(weight_map.values()))
+    for name in files:
+        if "/" in name or "\\" in name or name in ("", ".", ".."):
+            raise FormatError(f"{index}: weight_map names a file outside its folder: {name!r:.200}")
+        if not fs.exists(_fs(f"{folder}/{name}", storage_options)[1]):
+            raise FormatError(f"{index}: weight_map names {name!r:.200}, which is not in {folder}")
+    return [f"{folder}/{n}" for n in files], dict(weight_map)
 
 
 def import_safetensors(src: str | os.PathLike[str], dst_url: str, *, layouts: LayoutSpec | None = None,
@@ -282,7 +309,8 @@ def import_safetensors(src: str | os.PathLike[str], dst_url: str, *, layouts: La
         for name, file in weight_map.items():
             held = pieces.get(name)
             if held is None or PurePosixPath(held[0].header.path).name != file:
-                raise FormatError(f"{src}: the index puts tensor {name!r} in {file}, which does not hold it")
+                raise FormatError(f"{index_file(src, src_storage_options)}: the index puts tensor {name!r} in "
+                                  f"{file}, which does not hold it")
     refuse_empty("safetensors", src, len(pieces))
     skips = Skips(skip)
     leaves, extra = _leaves(headers, skips)
@@ -412,4 +440,4 @@ def _leaves(headers: list[Header], skips: Skips) -> tuple[dict[str, Any], dict[s
 
 
 __all__ = ["DCP_SHARDING_KEY", "DTYPES", "FILES_LEAF", "INDEX_NAME", "METADATA_LEAF", "Entry", "Header", "Piece",
-           "import_safetensors", "read_header", "read_tensor", "source_files"]
+           "import_safetensors", "index_file", "read_header", "read_index", "read_tensor", "source_files"]

@@ -26,6 +26,7 @@ it needs unpickling, which runs code. Tensor bytes are memory-mapped.
 
 from __future__ import annotations
 
+import math
 import pickletools
 import re
 from collections.abc import Mapping
@@ -41,6 +42,12 @@ PICKLE_FILE = "pickled_data"
 META_FILE = "meta"
 DATA_FILE = "out"
 SNAPSHOT_DONE = "snapshot_done"
+#: Largest ``pickled_data`` read: the structure of a state dict (names and nesting) of a million tensors.
+MAX_PICKLE_BYTES = 256 << 20
+#: Deepest nesting of the saved structure (state dicts of state dicts, lists of param groups...).
+MAX_DEPTH = 64
+#: Largest tensor ``meta`` read (a shape and a dtype in protobuf text).
+MAX_META_BYTES = 1 << 20
 
 #: OneFlow ``DataType`` (oneflow/core/common/data_type.proto) -> reshard dtype name.
 DATA_TYPES = {
@@ -245,7 +252,13 @@ def read_meta(folder: Path) -> tuple[tuple[int, ...], str]:
     path = folder / META_FILE
     if not path.is_file():
         raise FormatError(f"{folder}: no {META_FILE} file, so the tensor's shape and dtype are unknown")
-    text = path.read_text()
+    if path.stat().st_size > MAX_META_BYTES:
+        raise FormatError(f"{path} is {path.stat().st_size} bytes, over the {MAX_META_BYTES}-byte limit of a "
+                          "tensor's meta")
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as e:
+        raise FormatError(f"{path}: not protobuf text ({e})") from None
     shape_block = re.search(r"shape\s*\{([^}]*)\}", text)
     dtype = _DTYPE.search(text)
     if dtype is None:
@@ -266,7 +279,7 @@ def read_tensor(folder: Path, *, header_only: bool = False) -> np.ndarray:
     out = folder / DATA_FILE
     if not out.is_file():
         raise FormatError(f"{folder}: no {DATA_FILE} file")
-    want = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    want = math.prod(shape) * dtype.itemsize  # Python ints: 2**32 x 2**32 does not wrap to 0
     size = out.stat().st_size
     if size != want:
         raise ShapeMismatchError(f"{out}: {size} bytes, but {list(shape)} of {dtype_name} is {want}")
@@ -321,23 +334,28 @@ def load_flow_save(folder: str | Path, *, headers_only: bool = False) -> dict[st
             raise CheckpointNotFoundError(f"{folder.absolute()}: no {PICKLE_FILE} and no tensor folders "
                                           f"(<name>/{META_FILE} + <name>/{DATA_FILE}): not a flow.save folder")
         return found
+    size = pickled.stat().st_size
+    if size > MAX_PICKLE_BYTES:
+        raise FormatError(f"{pickled} is {size} bytes, over the {MAX_PICKLE_BYTES}-byte limit of a state dict's "
+                          "structure (its tensors are files of their own)")
     data = decode_structure(pickled.read_bytes(), str(pickled))
     if not isinstance(data, dict):
         raise FormatError(f"{pickled}: flow.save'd a {type(data).__name__}, not a dict of tensors")
     return _resolve(data, folder, headers_only)
 
 
-def _resolve(value: Any, folder: Path, headers_only: bool) -> Any:
+def _resolve(value: Any, folder: Path, headers_only: bool, depth: int = 0) -> Any:
+    """``value`` with every tensor read from its folder (``depth``: how deep in the saved structure)."""
+    if depth > MAX_DEPTH:
+        raise FormatError(f"{folder / PICKLE_FILE}: nested more than {MAX_DEPTH} levels deep: not a state dict")
     if isinstance(value, TensorRef):
-        if value.path is None or Path(value.path).name != value.path:
+        if value.path is None or Path(value.path).name != value.path or value.path in (".", ".."):
             raise FormatError(f"{folder / PICKLE_FILE}: tensor folder {value.path!r} is not a plain name")
         return read_tensor(folder / value.path, header_only=headers_only)
     if isinstance(value, dict):
-        return {k: _resolve(v, folder, headers_only) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_resolve(v, folder, headers_only) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_resolve(v, folder, headers_only) for v in value)
+        return {k: _resolve(v, folder, headers_only, depth + 1) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_resolve(v, folder, headers_only, depth + 1) for v in value)
     return value
 
 

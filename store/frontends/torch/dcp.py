@@ -10,13 +10,14 @@ loads. Also importable from :mod:`reshard.store.frontends.torch.dtensor`.
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle  # only for a RESTRICTED reader of DCP's own .metadata (see _DCPMetadataUnpickler); never in our format
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from reshard.layouts import Layout
-from reshard.layouts.errors import CheckpointNotFoundError, FormatError
+from reshard.layouts.errors import CheckpointNotFoundError, FormatError, ReshardError
 
 from ...format.tree import to_json
 from ...io.storage import Storage
@@ -74,27 +75,88 @@ def read_dcp_metadata(data: bytes, where: str = ".metadata",
     ------
     FormatError
         Whatever the unpickler refuses or fails on (a global it does not load, an opcode, truncated
-        bytes), naming ``where``.
+        bytes), or another object than DCP's ``Metadata`` (a mapping of items and one of where they are
+        stored), naming ``where``.
     """
+    from torch.distributed.checkpoint.metadata import Metadata
+
     try:
-        return unpickler(io.BytesIO(data)).load()
+        md = unpickler(io.BytesIO(data)).load()
     except Exception as e:  # a hostile pickle may fail in any way; each is the file's fault
         raise FormatError(f"{where}: not a readable DCP .metadata file ({type(e).__name__}: {e})") from None
+    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict) \
+            or not isinstance(md.storage_data, dict):
+        raise FormatError(f"{where}: a pickled {type(md).__name__}, not DCP's Metadata of items and their storage")
+    return md
+
+
+def _plain_name(name: Any) -> bool:
+    """Whether ``name`` is a file of the checkpoint's own folder (what DCP writes: ``__0_0.distcp``)."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+
+
+@functools.lru_cache(maxsize=256)
+def _object_size(src: Storage, name: str) -> int:
+    """The size of a data file of the checkpoint (once per file)."""
+    try:
+        return int(src.fs.size(src.path(name)))
+    except FileNotFoundError:
+        raise FormatError(f"{src.url}/.metadata: its items are stored in {name}, which is missing") from None
 
 
 def _dcp_item(src: Storage, info: Any, what: str) -> Any:
-    """torch.load one saved item (weights_only: torch's own restricted unpickler)."""
+    """torch.load one saved item (weights_only: torch's own restricted unpickler), its range checked first."""
     import torch
 
     if getattr(info, "transform_descriptors", None):
         raise FormatError(f"{src.url}: {what} uses DCP extensions {info.transform_descriptors}, "
                           "which reshard does not decode")
-    buf = bytearray(info.length)
-    src.read_into(info.relative_path, info.offset, [memoryview(buf)])
+    name, offset, length = (getattr(info, k, None) for k in ("relative_path", "offset", "length"))
+    if not _plain_name(name) or type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
+        raise FormatError(f"{src.url}/.metadata: {what} is stored at {name!r:.100}, bytes {offset!r:.30}+"
+                          f"{length!r:.30}: not a range of a file in the checkpoint's folder")
+    assert isinstance(name, str) and isinstance(offset, int) and isinstance(length, int)
+    size = _object_size(src, name)
+    if offset + length > size:
+        raise FormatError(f"{src.url}/{name}: {what} is bytes {offset}+{length} of it, past its end ({size} bytes)")
+    buf = bytearray(length)
+    src.read_into(name, offset, [memoryview(buf)])
     try:
         return torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
     except Exception as e:
-        raise FormatError(f"{src.url}: cannot decode {what} in {info.relative_path}: {e}") from None
+        raise FormatError(f"{src.url}: cannot decode {what} in {name}: {e}") from None
+
+
+def _storage_index(md: Any, meta: str) -> dict[tuple[str, tuple[int, ...] | None], Any]:
+    """Where each item is stored, by (fqn, chunk offsets or None), from DCP's ``storage_data``."""
+    try:
+        return {(idx.fqn, None if idx.offset is None else tuple(int(o) for o in idx.offset)): info
+                for idx, info in md.storage_data.items()}
+    except (AttributeError, TypeError, ValueError):
+        raise FormatError(f"{meta}: malformed storage_data (not MetadataIndex -> storage info)") from None
+
+
+def _stored(where: Mapping[tuple[str, tuple[int, ...] | None], Any], fqn: str, offsets: tuple[int, ...] | None,
+            meta: str) -> Any:
+    """The storage of item ``fqn`` (its chunk at ``offsets``)."""
+    info = where.get((fqn, offsets))
+    if info is None:
+        what = f"item {fqn!r}" if offsets is None else f"chunk {list(offsets)} of {fqn!r}"
+        raise FormatError(f"{meta}: {what} has no entry in its storage_data (where its bytes are)")
+    return info
+
+
+def _tensor(fqn: str, item: Any, meta: str) -> tuple[Layout, str]:
+    """A tensor item's saving layout (one block per saved chunk) and dtype name, checked."""
+    try:
+        blocks = [(i, tuple(int(o) for o in c.offsets), tuple(int(n) for n in c.sizes), 0)
+                  for i, c in enumerate(item.chunks)]
+        layout = Layout.from_blocks(tuple(int(n) for n in item.size), blocks)
+        dtype = str(item.properties.dtype).removeprefix("torch.")
+    except (ReshardError, AttributeError, TypeError, ValueError) as e:
+        raise FormatError(f"{meta}: tensor {fqn!r}: its size and chunks are not a tensor's saved blocks: {e}"
+                          ) from None
+    return layout, dtype
 
 
 def _regroup(items: dict[str, Any], paths: Mapping[str, Any], tensors: Mapping[str, Any]) -> dict[str, Any]:
@@ -160,6 +222,8 @@ def import_dcp(src: str, dst: str, *, src_storage_options: dict[str, Any] | None
     dict
         ``{"tensors": n, "leaves": n, "bytes": n, "skipped": [names]}``.
     """
+    import torch
+
     from ...format.torch_arrays import to_numpy
 
     src_store = Storage(local_path(src), src_storage_options)
@@ -172,17 +236,15 @@ def import_dcp(src: str, dst: str, *, src_storage_options: dict[str, Any] | None
         raise FormatError(f"{src_store.url} is a Megatron-Core torch_dist save (metadata.json names its backend): "
                           f"import it with `reshard import megatron {src_store.url} DST`, which decodes its "
                           "distributed optimizer's state")
-    md = read_dcp_metadata(raw, f"{src_store.url}/.metadata")
-    where = {(idx.fqn, None if idx.offset is None else tuple(idx.offset)): info
-             for idx, info in md.storage_data.items()}
+    meta = f"{src_store.url}/.metadata"
+    md = read_dcp_metadata(raw, meta)
+    where = _storage_index(md, meta)
     layouts, dtypes, items, skips = {}, {}, {}, Skips(skip)
     for fqn, item in md.state_dict_metadata.items():
         if hasattr(item, "chunks"):
-            blocks = [(i, tuple(c.offsets), tuple(c.sizes), 0) for i, c in enumerate(item.chunks)]
-            layouts[fqn] = Layout.from_blocks(tuple(item.size), blocks)
-            dtypes[fqn] = str(item.properties.dtype).removeprefix("torch.")
+            layouts[fqn], dtypes[fqn] = _tensor(fqn, item, meta)
         else:
-            info = where[(fqn, None)]
+            info = _stored(where, fqn, None, meta)
             value = _dcp_item(src_store, info, f"item {fqn!r}")
             try:
                 items[fqn] = to_json(value, fqn)
@@ -199,10 +261,12 @@ def import_dcp(src: str, dst: str, *, src_storage_options: dict[str, Any] | None
     for fqn, item in md.state_dict_metadata.items():
         for chunk in getattr(item, "chunks", ()):
             offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
-            tensor = _dcp_item(src_store, where[(fqn, offsets)], f"chunk {list(offsets)} of {fqn!r}")
-            if tuple(tensor.shape) != sizes:
-                raise FormatError(f"{src_store.url}: chunk {list(offsets)} of {fqn!r} has shape "
-                                  f"{list(tensor.shape)}, the metadata says {list(sizes)}")
+            info = _stored(where, fqn, offsets, meta)
+            tensor = _dcp_item(src_store, info, f"chunk {list(offsets)} of {fqn!r}")
+            if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != sizes:
+                got = list(tensor.shape) if isinstance(tensor, torch.Tensor) else f"a {type(tensor).__name__}"
+                raise FormatError(f"{src_store.url}/{info.relative_path}: chunk {list(offsets)} of {fqn!r} holds "
+                                  f"{got}, {meta} says {list(sizes)}")
             array = to_numpy(tensor)
             region = tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))
             writer.write_block(metas[fqn], region, array)
