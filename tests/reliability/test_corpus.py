@@ -15,8 +15,6 @@ other data, or the pickle's command run. The peak RSS of each case and the maxim
 parser are printed and recorded (``RESHARD_RELIABILITY_REPORT``). A few cases per parser
 run by default; all of them with ``RESHARD_SOAK=1``.
 
-Findings in code another change owns are kept as cases marked ``xfail(strict=True)``
-(:data:`OWNED`): they pass once fixed there, and the mark then fails, to be removed.
 """
 
 from __future__ import annotations
@@ -428,32 +426,6 @@ class Case:
     names: str | None = None
 
 
-#: Findings in code another engineer is changing now (megatron/, mindspore/, layouts/strategy.py, the
-#: safetensors header parser): the case is kept, expected to fail until that change lands.
-OWNED: dict[str, str] = {
-    **dict.fromkeys(["megatron-metadata-truncated"], "Megatron: the .metadata unpickling error does not name the "
-                                                      "file (megatron/read.py, read_megatron_metadata)"),
-    **dict.fromkeys(["megatron-flat-overlap", "megatron-flat-hole", "megatron-flat-past-block", "megatron-flat-numel",
-                     "megatron-flat-shape-2**40"], "Megatron: flattened ranges that overlap, leave holes, exceed "
-                                                   "their block or disagree with numel are refused naming the tensor "
-                                                   "but not the .metadata file (megatron/read.py, flat_layout)"),
-    "megatron-bucket-overlap": "Megatron: overlapping bucket chunks are refused naming the bucket but not the "
-                               ".metadata file (megatron/buckets.py)",
-    **dict.fromkeys(["mindspore-ckpt-truncated", "mindspore-ckpt-length-2**40", "mindspore-ckpt-bit-flip"],
-                    "MindSpore: protobuf errors of a .ckpt do not name the file (mindspore/ckpt.py, _values)"),
-    **dict.fromkeys(["mindspore-strategy-truncated", "mindspore-strategy-json-deep",
-                     "mindspore-strategy-json-wrong-type"],
-                    "MindSpore: strategy parse errors do not name the file (layouts/strategy.py, parse_strategy; "
-                    "JSON that does not start with '{' is parsed as protobuf)"),
-    "mindspore-strategy-json-2**40": "MindSpore: a dev_matrix of 2**40 x 2**40 devices raises OverflowError "
-                                     "(layouts/strategy.py)",
-    "mindspore-strategy-bit-flip": "MindSpore: a flipped bit in strategy.ckpt gives another valid strategy and the "
-                                   "import reads other data without an error (the strategy is not checked against "
-                                   "the rank files' slice shapes)",
-    **dict.fromkeys(["safetensors-dtype-wrong-type", "safetensors-deep-nesting"],
-                    "safetensors header: a list as dtype raises TypeError (unhashable), a deeply nested header "
-                    "RecursionError (huggingface/read.py, read_header and _entry)"),
-}
 
 CASES: dict[str, Case] = {
     # parquet references, read by verify (reshard's own reads never use them)
@@ -655,8 +627,7 @@ def judge(spec: Case, got: dict[str, Any], want: dict[str, Any], case: Path) -> 
 CI_CASES = sorted(n for n, c in CASES.items() if c.ci or SOAK)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=OWNED[n]))
-                                  if n in OWNED else n for n in CI_CASES])
+@pytest.mark.parametrize("name", CI_CASES)
 def test_a_hostile_file_is_refused_naming_it_or_read_exactly(tmp_path_factory: pytest.TempPathFactory,
                                                               tmp_path: Path, name: str) -> None:
     spec = CASES[name]

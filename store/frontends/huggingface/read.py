@@ -134,7 +134,7 @@ def read_header(path: str | os.PathLike[str], storage_options: Mapping[str, Any]
     except _DuplicateKey as e:
         raise FormatError(f"{where}: the safetensors header names {e.args[0]!r} twice (a JSON object with a duplicate "
                           "key: which entry holds the tensor is ambiguous)") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise FormatError(f"{where}: not a safetensors file (header is not JSON: {e})") from None
     if not isinstance(doc, dict):
         raise FormatError(f"{where}: the safetensors header is not a JSON object")
@@ -155,7 +155,7 @@ def _entry(where: str, name: str, info: Any, data_start: int, data_size: int) ->
         st_dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
         shape = tuple(shape)
         if not all(isinstance(d, int) and d >= 0 for d in shape) or not isinstance(begin, int) \
-                or not isinstance(end, int):
+                or not isinstance(end, int) or not isinstance(st_dtype, str):
             raise TypeError
     except (KeyError, TypeError, ValueError):
         raise FormatError(f"{where}: tensor {name!r}: malformed header entry {info!r}") from None

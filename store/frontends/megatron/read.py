@@ -34,15 +34,16 @@ with ``torch.load(weights_only=True)``. torch is imported inside the functions.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 from reshard.layouts import FlatLayout, Layout
-from reshard.layouts.errors import CheckpointNotFoundError, FormatError, UnsupportedError
+from reshard.layouts.errors import CheckpointNotFoundError, FormatError, LayoutError, UnsupportedError
 
 from ...format.tree import to_json
 from ...io.storage import Storage
@@ -101,6 +102,17 @@ def flat_layout(name: str, shape: tuple[int, ...], stored: tuple[int, ...], chun
         raise FormatError(f"tensor {name!r}: its flattened ranges do not describe the tensor: {e}") from None
 
 
+@contextlib.contextmanager
+def _described_by(meta: str) -> Iterator[None]:
+    """Errors about what the ``.metadata`` file ``meta`` describes (layouts, buckets) name it."""
+    try:
+        yield
+    except (LayoutError, FormatError) as e:
+        if meta in str(e):
+            raise
+        raise type(e)(f"{meta}: {e}") from None
+
+
 def import_megatron(src: str, dst: str, *, skip: Sequence[str] = (), **options: Any) -> dict[str, Any]:
     """Convert a Megatron-Core ``torch_dist`` checkpoint folder into a reshard checkpoint.
 
@@ -156,7 +168,9 @@ def import_megatron(src: str, dst: str, *, skip: Sequence[str] = (), **options: 
     for (fqn, _), info in where.items():
         files.setdefault(fqn, set()).add(info.relative_path)
     chained: dict[str, set[str]] = {}
-    buckets = place_buckets(store, md, where)
+    metadata_file = f"{folder}/.metadata"
+    with _described_by(metadata_file):
+        buckets = place_buckets(store, md, where)
     for name, bucket in buckets.items():
         layouts[name], dtypes[name] = bucket.layout, bucket.dtype
     for fqn, item in md.state_dict_metadata.items():
@@ -175,11 +189,12 @@ def import_megatron(src: str, dst: str, *, skip: Sequence[str] = (), **options: 
             continue
         stored = tuple(int(n) for n in item.size)
         orig = (mcore.get(fqn) or {}).get("nd_reformulated_orig_global_shape")
-        if orig is not None:
-            layouts[fqn] = flat_layout(fqn, tuple(int(n) for n in orig), stored, list(item.chunks))
-        else:
-            blocks = [(i, tuple(c.offsets), tuple(c.sizes), 0) for i, c in enumerate(item.chunks)]
-            layouts[fqn] = Layout.from_blocks(stored, blocks)
+        with _described_by(metadata_file):
+            if orig is not None:
+                layouts[fqn] = flat_layout(fqn, tuple(int(n) for n in orig), stored, list(item.chunks))
+            else:
+                blocks = [(i, tuple(c.offsets), tuple(c.sizes), 0) for i, c in enumerate(item.chunks)]
+                layouts[fqn] = Layout.from_blocks(stored, blocks)
         dtypes[fqn] = str(item.properties.dtype).removeprefix("torch.")
     for family, held in sorted(chained.items()):
         skips.add(family, f"{folder}: the flat optimizer buckets {family}.* (in {', '.join(sorted(held))})",

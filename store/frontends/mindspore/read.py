@@ -162,7 +162,8 @@ def import_mindspore(src_dir: str | os.PathLike[str] | Mapping[int, Any], dst_ur
     refuse_empty("MindSpore", src_dir if isinstance(src_dir, Mapping) else Path(src_dir).absolute(), len(chosen),
                  f" ({len(files)} rank files found)")
     skips.check()
-    _check_copies(chosen, holders, files, check_crc, layouts, prefixes)
+    named = os.fspath(strategy) if isinstance(strategy, (str, os.PathLike)) else "the strategy"
+    _check_copies(chosen, holders, files, check_crc, layouts, prefixes, named)
     writer = create(dst_url, chosen, **single_process(options))
     leaves = skips.leaves()
     for rank in sorted(set().union(*(lay.ranks for lay in chosen.values()), files)):
@@ -196,8 +197,10 @@ def _donors(name: str, lay: Layout, held: Mapping[int, Header], src_dir: Any) ->
 
 def _check_copies(chosen: Mapping[str, Layout], holders: Mapping[str, Mapping[int, Header]],
                   files: Mapping[int, Path], check_crc: bool, layouts: Mapping[str, Layout],
-                  prefixes: Sequence[str]) -> None:
+                  prefixes: Sequence[str], strategy: str) -> None:
     """Refuse copies of a block that differ (replicas, or an integrated save's whole tensors).
+
+    ``strategy`` names the strategy file in the hint that it may not be this save's.
 
     Only blocks that several rank files hold are compared (sha256 of each copy,
     one file in memory at a time); a save without redundancy reads nothing here.
@@ -223,8 +226,10 @@ def _check_copies(chosen: Mapping[str, Layout], holders: Mapping[str, Mapping[in
             seen = first.setdefault((name, block), (r, digest))
             if seen[1] != digest:
                 strat = layout_for(name, layouts, prefixes)
-                hint = ("" if strat is None or strat == chosen[name] else
-                        f"; the files hold shape {list(holders[name][r][0])}, which the strategy's "
+                hint = (f"; not in {strategy}: each file's copy is taken for the whole tensor" if strat is None else
+                        f"; {strategy} makes them copies ({strat.describe()}): is it this save's?"
+                        if strat == chosen[name] else
+                        f"; the files hold shape {list(holders[name][r][0])}, which {strategy}'s "
                         f"{strat.describe()} of shape {list(strat.shape)} does not give them: is it this save's?")
                 raise FormatError(f"{name!r}: its copies of the block {[list(b) for b in block]} differ: rank "
                                   f"{seen[0]}'s {files[seen[0]]} and rank {r}'s {files[r]} (copies of a block must "
