@@ -5,8 +5,7 @@ refused (nothing changes) unless ``overwrite``; then the export is written
 beside it and swapped in whole. Each export here is killed (SIGKILL, in a
 forked child) at every step of that module in turn: ``RESHARD_TEST_KILL_STEP=k``
 kills at the k-th, for k = 1, 2, ... until a child finishes. After each kill
-every unit of the target (the folder or file; MindSpore: each ``rank_N``
-folder) must hold the old export byte for byte or the new one (the files of a
+every unit of the target (the folder or file) must hold the old export byte for byte or the new one (the files of a
 reference export of the new source, byte for byte), never nothing, never a mix;
 then the export runs again and must leave the new export and nothing beside it.
 With ``RESHARD_TEST_TWO_STEP=1`` (no ``renameat2``) a folder is swapped in two
@@ -153,7 +152,7 @@ FORMATS = {
     "npz": Format(plain_source, _single("npz"), "m.npz", ("npz",)),
     "torch": Format(plain_source, _torch, "m.pt", ("torch",)),
     "hf-folder": Format(plain_source, _hf, "hf", ("safetensors", "--max-shard-size", "64")),
-    "mindspore": Format(plain_source, _mindspore, "ms", ("mindspore",), units=("rank_0", "rank_1")),
+    "mindspore": Format(plain_source, _mindspore, "ms", ("mindspore",)),
     "deepspeed": Format(deepspeed_source, _deepspeed, "ds", ("deepspeed", "--dp", "2")),
     "megatron": Format(megatron_source, _megatron, "mc", ("megatron",), fresh=frozenset({".metadata"})),
 }

@@ -368,6 +368,16 @@ def test_pipeline_merged_json_and_replica_files(tmp_path: Path) -> None:
     assert sorted(files) == [1, 3]
     assert sorted(pb_read(files[3])) == ["dec.w", "lr"]  # only its stage's tensors, plus the leaf
     np.testing.assert_array_equal(pb_read(files[1])["moments.enc.w"], a[:, 3:] * 2)
+    # an export split over hosts: another host's ranks replace only their own folders
+    before = {p.relative_to(tmp_path): p.read_bytes() for p in (tmp_path / "again").rglob("*") if p.is_file()}
+    with pytest.raises(rs.CheckpointExistsError, match="rank_1"):
+        ms.export_mindspore(ckpt, tmp_path / "again", strategy, ranks=[0, 1])
+    ms.export_mindspore(ckpt, tmp_path / "again", strategy, ranks=[0, 1], overwrite=True)
+    after = {p.relative_to(tmp_path): p.read_bytes() for p in (tmp_path / "again").rglob("*") if p.is_file()}
+    assert sorted(str(p) for p in after) == ["again/rank_0/checkpoint_0.ckpt", "again/rank_1/checkpoint_1.ckpt",
+                                             "again/rank_3/checkpoint_3.ckpt"]
+    assert after[Path("again/rank_3/checkpoint_3.ckpt")] == before[Path("again/rank_3/checkpoint_3.ckpt")]
+    np.testing.assert_array_equal(pb_read(tmp_path / "again/rank_0/checkpoint_0.ckpt")["enc.w"], a[:, :3])
 
 
 def test_integrated_save_and_clear_errors(tmp_path: Path) -> None:

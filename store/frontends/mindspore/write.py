@@ -36,9 +36,10 @@ def export_mindspore(src_url: str | Checkpoint, dst_dir: str | os.PathLike[str],
     src_url : str or Checkpoint
         The checkpoint to divide.
     dst_dir : path
-        Output folder. Each ``rank_M`` folder is an export's unit: every one is
-        written beside its target, then each replaces its target whole
-        (:mod:`reshard.store.io.replace`); other entries of ``dst_dir`` are left alone.
+        Output folder, the export's unit: written beside it, then swapped in whole
+        (:mod:`reshard.store.io.replace`), so a kill leaves the old export or the new one.
+        With ``ranks``, each ``rank_M`` folder written is a unit of its own and other
+        entries of ``dst_dir`` are left alone (an export split over hosts).
     strategy : path, bytes, dict, {name: Layout} or None
         The target strategy. Tensors it does not cover (directly or through
         their parameter, see :func:`layout_for`) go whole into every target
@@ -61,7 +62,7 @@ def export_mindspore(src_url: str | Checkpoint, dst_dir: str | os.PathLike[str],
     storage_options : dict, optional
         fsspec options for ``src_url``.
     overwrite : bool
-        Replace ``rank_M`` folders that are not empty (else
+        Replace a ``dst_dir`` (with ``ranks``: ``rank_M`` folders) that is not empty (else
         :class:`~reshard.layouts.errors.CheckpointExistsError`, before anything is written).
 
     Returns
@@ -96,14 +97,19 @@ def export_mindspore(src_url: str | Checkpoint, dst_dir: str | os.PathLike[str],
         names = {rank: str(Path(n).with_suffix(".safetensors")) if n.endswith(".ckpt") else n
                  for rank, n in names.items()}
     written = {rank: Path(dst_dir) / f"rank_{rank}" / names[rank] for rank in chosen}
-    with contextlib.ExitStack() as stack:  # every rank folder staged, then each swapped in whole
-        staged = {rank: stack.enter_context(replacing(os.fspath(path.parent), overwrite=overwrite, folder=True))
-                  for rank, path in written.items()}
+    with contextlib.ExitStack() as stack:
+        if ranks is None:  # the whole export: dst_dir is its unit, so old and new rank folders never mix
+            staging = Path(stack.enter_context(replacing(os.fspath(dst_dir), overwrite=overwrite, folder=True)))
+            staged = {rank: staging / f"rank_{rank}" for rank in chosen}
+        else:  # some ranks (say, one host's): each rank folder is a unit, staged, then each swapped in whole
+            staged = {rank: Path(stack.enter_context(replacing(os.fspath(path.parent), overwrite=overwrite,
+                                                               folder=True))) for rank, path in written.items()}
         for rank in chosen:
             tensors, _ = flatten(ckpt.load(targets, rank, names=[n for n, t in targets.items() if rank in t.ranks]),
                                  ckpt.arrays)
             values = {**tensors, **{n: v for n, v in leaves.items() if v is not None}}
-            write_file(Path(staged[rank]) / names[rank], values, crc=crc)
+            staged[rank].mkdir(exist_ok=True)
+            write_file(staged[rank] / names[rank], values, crc=crc)
     return written
 
 
