@@ -411,3 +411,74 @@ def test_a_dead_jobs_root_lock_is_broken(tmp_path):
         save_all(mgr, 1)
         mgr.wait(committed=True, timeout=30)
         assert mgr.steps() == [1]
+
+
+@pytest.fixture
+def slow_commits(monkeypatch):
+    """Commits that take 0.4 s: a save returns (and ``wait()`` too) while its commit still runs."""
+    from reshard.store.manager import committer
+
+    real = committer.commit
+
+    def commit(root, **kw):
+        time.sleep(0.4)
+        return real(root, **kw)
+
+    monkeypatch.setattr(committer, "commit", commit)
+
+
+def test_a_restore_after_wait_waits_for_the_saves_commits(tmp_path, slow_commits):
+    url = str(tmp_path / "run")
+    with rs.CheckpointManager(url, L) as mgr:
+        for step in (1, 2, 3):
+            save_all(mgr, step)
+        mgr.wait()  # written, not committed: the documented meaning of wait()
+        assert mgr.restorable_step() == 3
+        np.testing.assert_array_equal(mgr.open()["w"].read(), full(3))
+    with rs.CheckpointManager(url, L, commit_timeout=0.2) as mgr:  # a commit slower than the timeout: named
+        save_all(mgr, 4)
+        with pytest.raises(TimeoutError, match=r"step 4, saved by this process, is still committing"):
+            mgr.restorable_step()
+        mgr.wait(committed=True, timeout=30)
+        assert mgr.restorable_step() == 4
+
+
+def test_torch_manager_load_after_wait_and_clear_errors(tmp_path, slow_commits):
+    torch = pytest.importorskip("torch")
+    from reshard.store.manager import TorchCheckpointManager
+
+    url = str(tmp_path / "run")
+    with pytest.raises(TypeError, match=r"needs the state dict it will save.*CheckpointManager\("):
+        TorchCheckpointManager(url)
+    model = torch.nn.Linear(4, 3)
+    with TorchCheckpointManager(url, model.state_dict()) as mgr:
+        for step in (1, 2, 3):
+            with torch.no_grad():
+                model.weight.fill_(step)
+            mgr.save(step, model.state_dict())
+        mgr.wait()
+        other = torch.nn.Linear(4, 3).state_dict()
+        assert mgr.load(other) == 3 and torch.equal(other["weight"], torch.full((3, 4), 3.0))
+        with pytest.raises(rs.TensorNotFoundError, match=r"tensor 'z' was not in the state dict this manager"):
+            mgr.save(4, {**model.state_dict(), "z": torch.ones(2)})
+
+
+def test_jax_manager_restore_after_wait_and_clear_errors(tmp_path, slow_commits):
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    from reshard.store.frontends import jax as rj
+    from reshard.store.manager import JaxCheckpointManager
+
+    url = str(tmp_path / "run")
+    with pytest.raises(TypeError, match=r"needs a pytree like the ones it will save.*CheckpointManager\("):
+        JaxCheckpointManager(url)
+    like = {"w": jnp.zeros(4)}
+    with JaxCheckpointManager(url, like) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"w": jnp.full(4, float(step))})
+        mgr.wait()
+        got = mgr.restore({"w": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=like["w"].sharding)})
+        np.testing.assert_array_equal(np.asarray(got["w"]), np.full(4, 3.0))
+        with pytest.raises(TypeError, match=r"'w': .* stores an array \(float32\[4\]\) there, and the target gives "
+                                             r"NoneType"):
+            rj.restore(mgr.open(3), {"w": None})

@@ -36,9 +36,13 @@ class JaxCheckpointManager:
         ``async_save``, ``max_pending``, ``commit_timeout``, ``storage_options``...
     """
 
-    def __init__(self, url: str, like: Any, **options: Any) -> None:
+    def __init__(self, url: str, like: Any = None, **options: Any) -> None:
         import jax
 
+        if like is None:
+            raise TypeError(f"JaxCheckpointManager({url!r}) needs a pytree like the ones it will save (its arrays' "
+                            f"shardings give the layouts); to read a root, use "
+                            f"reshard.store.CheckpointManager({url!r})")
         self.home = min(d.id for d in jax.devices())
         self.layouts = self._layouts(like)
         local = {d.id for d in jax.local_devices()}
@@ -97,6 +101,8 @@ class JaxCheckpointManager:
 
     def restore(self, target: Any, *, step: int | None = None) -> Any:
         """A pytree like ``target`` (shardings, ``ShapeDtypeStruct`` or arrays: any mesh) from a committed step."""
-        if step is None and self.manager.latest_step() is None:
-            raise CheckpointNotFoundError(f"{self.manager.url}: no committed step")
+        if step is None:
+            step = self.manager.restorable_step()  # never older than a save of this process that returned
+            if step is None:
+                raise CheckpointNotFoundError(f"{self.manager.url}: no committed step")
         return rj.restore(self.manager.open(step), target)

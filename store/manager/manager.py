@@ -449,6 +449,31 @@ class CheckpointManager:
         steps = self.steps()
         return steps[-1] if steps else None
 
+    def restorable_step(self) -> int | None:
+        """The latest committed step once this process's own saves are committed: never an older one.
+
+        A save that returned may still be committing (its commit runs in the background); a restore
+        right after it waits for that commit (at most the commit timeout) instead of returning the step
+        before it.
+
+        Raises
+        ------
+        TimeoutError
+            Naming the step still committing when the commit timeout passes first.
+        UncommittedCheckpointError
+            If the committer gave that step up.
+        """
+        with self._lock:
+            mine = max(self._last.values(), default=None)
+        if mine is not None:
+            try:
+                self.wait(committed=True, timeout=self.committer.timeout)
+            except TimeoutError as e:
+                raise TimeoutError(f"{self.url}: step {mine}, saved by this process, is still committing after "
+                                   f"{self.committer.timeout:.0f} s (restore a step by number to read an older "
+                                   "one)") from e
+        return self.latest_step()
+
     def metrics(self, step: int) -> dict[str, float]:
         """The metrics recorded with a committed step."""
         record = next((r for r in committed_steps(self.root) if r.step == step), None)
@@ -457,9 +482,9 @@ class CheckpointManager:
         return dict(record.metrics)
 
     def open(self, step: int | None = None, **options: Any) -> Checkpoint:
-        """Open a committed step (default: the latest) as a lazy :class:`Checkpoint`."""
+        """Open a committed step (default: the latest, see :meth:`restorable_step`) as a lazy :class:`Checkpoint`."""
         if step is None:
-            step = self.latest_step()
+            step = self.restorable_step()
             if step is None:
                 raise CheckpointNotFoundError(f"{self.url}: no committed step")
         options.setdefault("storage_options", self.storage_options)

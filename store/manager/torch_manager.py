@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from reshard.layouts.errors import CheckpointNotFoundError, TensorNotFoundError
+
 from ..format.tree import to_json
 from ..frontends.torch import dtensor as rt
 from .index import step_dir
@@ -37,8 +39,11 @@ class TorchCheckpointManager:
         ``async_save``, ``max_pending``, ``commit_timeout``, ``storage_options``...
     """
 
-    def __init__(self, url: str, state_dict: Mapping[str, Any], *, process_group: Any = None,
+    def __init__(self, url: str, state_dict: Mapping[str, Any] | None = None, *, process_group: Any = None,
                  **options: Any) -> None:
+        if state_dict is None:
+            raise TypeError(f"TorchCheckpointManager({url!r}) needs the state dict it will save (its tensors give "
+                            f"the layouts); to read a root, use reshard.store.CheckpointManager({url!r})")
         self.rank, self.ranks = rt._group(process_group)
         self.process_group = process_group
         self.layouts = {name: rt.layout_of(value, self.ranks)
@@ -59,7 +64,13 @@ class TorchCheckpointManager:
         local: dict[str, Any] = {}
         for name, _, _, value in rt._walk(state_dict):
             if rt._is_tensor(value):
-                if self.rank in self.layouts[name].ranks:
+                layout = self.layouts.get(name)
+                if layout is None:
+                    raise TensorNotFoundError(
+                        f"save: tensor {name!r} was not in the state dict this manager was built with, so it has "
+                        f"no layout (the manager knows {len(self.layouts)} tensors, e.g. {sorted(self.layouts)[:3]}); "
+                        "build the manager from a state dict that holds it")
+                if self.rank in layout.ranks:
                     local[name] = rt._local(value)
             else:
                 local[name] = to_json(value, name)
@@ -68,10 +79,8 @@ class TorchCheckpointManager:
     def load(self, state_dict: Mapping[str, Any], *, step: int | None = None, strict: bool = True) -> int:
         """Fill ``state_dict`` (any mesh) in place from a committed step (default: the latest); return the step."""
         if step is None:
-            step = self.manager.latest_step()
+            step = self.manager.restorable_step()
             if step is None:
-                from reshard.layouts.errors import CheckpointNotFoundError
-
                 raise CheckpointNotFoundError(f"{self.manager.url}: no committed step")
         rt.load(state_dict, f"{self.manager.url}/{step_dir(step)}", strict=strict,
                 process_group=self.process_group, storage_options=self.manager.storage_options)

@@ -183,6 +183,10 @@ def restore(url: str | Checkpoint, target: Any, *, storage_options: dict[str, An
         name = key_name(path)
         if name in ckpt.arrays:
             meta = ckpt.arrays[name]
+            if not isinstance(leaf, jax.sharding.Sharding) and getattr(leaf, "sharding", None) is None:
+                raise TypeError(f"{name!r}: {ckpt.url} stores an array ({meta.dtype}{list(meta.shape)}) there, and the "
+                                f"target gives {type(leaf).__name__}, not where to put it: give a "
+                                "jax.sharding.Sharding, a jax.ShapeDtypeStruct with a sharding, or a jax.Array")
             sharding = leaf if isinstance(leaf, jax.sharding.Sharding) else leaf.sharding
             dtype = None if isinstance(leaf, jax.sharding.Sharding) else leaf.dtype
             if not isinstance(leaf, jax.sharding.Sharding) and tuple(leaf.shape) != meta.shape:
