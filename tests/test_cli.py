@@ -51,7 +51,7 @@ def test_subprocess_inspect_and_version(ckpt_url):
     p = cli_subprocess("inspect", ckpt_url, "model.layers.0")
     assert p.returncode == 0, p.stderr
     assert "dev[2,4] tmap[0,-1]" in p.stdout and "qkv.weight" in p.stdout
-    assert "total: 6 tensors" in p.stdout and "step=100" in p.stdout
+    assert "total: 6 tensors" in p.stdout and "step=100" not in p.stdout  # the pattern filters the leaves too
     v = cli_subprocess("--version")
     assert v.returncode == 0 and v.stdout.strip() == f"reshard {rs.__version__}"
 
@@ -361,3 +361,12 @@ def test_command_names_stay_importable_from_cli_app():
     assert cli.storage_options is cli_commands.storage_options
     assert cli.compare is cli_commands.compare and cli.tensor_stats is cli_commands.tensor_stats
     assert cli.short_layouts is cli_write.short_layouts and cli.load_layout_spec is cli_write.load_layout_spec
+
+
+def test_inspect_with_a_pattern_shows_only_the_leaves_it_matches(ckpt_url, capsys):
+    assert run("inspect", ckpt_url) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith("; leaves: step=100")
+    assert run("inspect", ckpt_url, "model.embed.weight") == 0
+    footer = capsys.readouterr().out.splitlines()[-1]
+    assert footer.startswith("total: 1 tensors, ") and "leaves" not in footer
+    assert run("inspect", ckpt_url, "step") == 1  # a leaf alone is not a tensor: reshard show URL step prints it

@@ -763,3 +763,41 @@ def test_damaged_protobuf_errors_name_the_file(tmp_path: Path) -> None:
     strategy.write_bytes((DATA / "strategy.ckpt").read_bytes()[:40])
     with pytest.raises(rs.FormatError, match=r"^.*cut_strategy\.ckpt: "):
         ms.load_strategy(strategy, {n: v.shape for n, v in _expected().items()})
+
+
+def test_rank_folders_of_several_checkpoints_take_each_ranks_latest(tmp_path: Path) -> None:
+    """As a single-device folder does: each rank_N's latest, the same epoch and step on every rank, said."""
+    from reshard.store.cli import main
+
+    w = np.arange(8, dtype=np.float32).reshape(4, 2)
+    strategy = dump_strategy({"w": Layout.from_mindspore([2], [0, -1], [4, 2])})
+    (tmp_path / "strategy.json").write_bytes(strategy)
+    for epoch in (1, 2):
+        for r in (0, 1):
+            ms.write_ckpt(tmp_path / "src" / f"rank_{r}" / f"net-{epoch}_5.ckpt", {"w": w[2 * r: 2 * r + 2] * epoch})
+    with pytest.warns(UserWarning, match=r"importing each rank's latest, net-2_5\.ckpt in rank_0"):
+        ckpt = ms.import_mindspore(tmp_path / "src", str(tmp_path / "a"), strategy)
+    np.testing.assert_array_equal(ckpt["w"].read(), w * 2)
+    assert main(["import", "mindspore", str(tmp_path / "src"), str(tmp_path / "b"), "--strategy",
+                 str(tmp_path / "strategy.json"), "--file", "net-1_5.ckpt"]) == 0
+    np.testing.assert_array_equal(rs.open(str(tmp_path / "b"))["w"].read(), w)
+    (tmp_path / "src" / "rank_1" / "net-2_5.ckpt").unlink()  # rank 1's latest is an older step: refused
+    with pytest.raises(rs.FormatError, match=r"latest differ by rank \(rank_0: net-2_5\.ckpt, rank_1: net-1_5\.ckpt\)"):
+        ms.import_mindspore(tmp_path / "src", str(tmp_path / "c"), strategy)
+    assert not (tmp_path / "c").exists()
+
+
+def test_export_with_a_strategy_of_another_model_names_the_entry(tmp_path: Path, capsys) -> None:
+    from reshard.store.cli import main
+
+    rs.save({"w": np.ones((4, 2), np.float32)}, str(tmp_path / "ck"))
+    (tmp_path / "other.json").write_text(json.dumps({"v": {"dev_matrix": [2], "tensor_map": [0, -1]}}))  # no shape
+    assert main(["export", "mindspore", str(tmp_path / "ck"), str(tmp_path / "out"), "--strategy",
+                 str(tmp_path / "other.json")]) == 1
+    err = capsys.readouterr().err
+    assert "strategy entry 'v'" in err and "holds no tensor of that name: is the strategy this checkpoint's?" in err
+    assert "shapes" not in err and not (tmp_path / "out").exists()
+    assert main(["export", "mindspore", str(tmp_path / "ck"), str(tmp_path / "out")]) == 2
+    assert "export mindspore needs --strategy FILE" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "ck"), str(tmp_path / "x.npz"), "--strategy", "s.json"]) == 2
+    assert "--strategy applies to the mindspore format only (this export writes npz)" in capsys.readouterr().err

@@ -159,7 +159,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for r in (head, *rows):
         print("  ".join(c.rjust(w) if i >= 4 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
               .rstrip())
-    leaves = ", ".join(f"{k}={summarize_leaf(v)}" for k, v in ckpt.leaves.items() if k != SKIPPED_LEAF)
+    leaves = ", ".join(f"{k}={summarize_leaf(v)}" for k, v in ckpt.leaves.items()
+                       if k != SKIPPED_LEAF and _match(k, args.pattern))  # a pattern filters the leaves too
     print(f"total: {totals['tensors']} tensors, {human_bytes(totals['nbytes'])}, {totals['shards']} shards"
           + (f"; leaves: {leaves}" if leaves else ""))
     for record in data["skipped"]:

@@ -140,8 +140,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         args.parser.error("--prefix applies to --format torch only")
     if args.max_shard_size is not None and fmt != "safetensors":
         args.parser.error("--max-shard-size applies to --format safetensors only")
-    if (fmt == "mindspore") != bool(args.strategy):
-        args.parser.error("--format mindspore needs --strategy, and --strategy needs --format mindspore")
+    if fmt == "mindspore" and not args.strategy:
+        args.parser.error("export mindspore needs --strategy FILE (the target strategy)")
+    if args.strategy and fmt != "mindspore":
+        args.parser.error(f"--strategy applies to the mindspore format only (this export writes {fmt})")
     if getattr(args, "ms_format", None) and fmt != "mindspore":
         args.parser.error("--ms-format applies to --format mindspore only")
     if (fmt == "deepspeed") != (args.dp is not None):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -119,8 +120,9 @@ def rank_files(src: str | os.PathLike[str] | Mapping[int, Any], file_name: str |
         ``{rank: path}`` already.
     file_name : str, optional
         File name or glob inside each folder; ``{rank}`` is replaced by the
-        rank. Needed when a ``rank_N`` folder holds several checkpoint files;
-        in a single-device folder it picks the file instead of the latest.
+        rank. Without it each ``rank_N`` folder gives its latest file (every
+        rank's at the same epoch and step, else an error; a warning says which),
+        as a single-device folder does.
     """
     if isinstance(src, Mapping):
         return {int(r): Path(p) for r, p in src.items()}
@@ -129,18 +131,27 @@ def rank_files(src: str | os.PathLike[str] | Mapping[int, Any], file_name: str |
         return {0: root}
     if not root.is_dir():
         raise CheckpointNotFoundError(f"MindSpore checkpoint folder {root.absolute()} does not exist")
-    out = {}
+    out, several = {}, {}
     for folder in sorted(root.iterdir()):
         m = re.fullmatch(r"rank_(\d+)", folder.name)
         if not m or not folder.is_dir():
             continue
         rank = int(m.group(1))
         found = _matching(folder, file_name, rank)
-        if len(found) > 1:
-            raise FormatError(f"{folder} holds several checkpoints {[p.name for p in found]}; pass file_name= "
-                              "(reshard import mindspore --file NAME)")
         if found:
-            out[rank] = found[0]
+            out[rank] = latest_file(found)
+        if len(found) > 1:
+            several[rank] = len(found)
+    if several:  # each rank's latest, as in a single-device folder: the same epoch and step on every rank
+        steps = {r: _STEP.search(p.name) for r, p in out.items()}
+        keys = {r: (m.group(1), m.group(2)) if m else None for r, m in steps.items()}
+        if None in keys.values() or len(set(keys.values())) > 1:
+            raise FormatError(f"{root}: the rank_N folders hold several checkpoints whose latest differ by rank "
+                              f"({', '.join(f'rank_{r}: {p.name}' for r, p in sorted(out.items()))}); pass "
+                              "file_name= (reshard import mindspore --file NAME, {rank} for the rank)")
+        warnings.warn(f"{root}: rank_N folders hold several checkpoints ({max(several.values())} in "
+                      f"rank_{min(several)}); importing each rank's latest, {out[min(several)].name} in "
+                      f"rank_{min(several)} (file_name= / --file picks another)", stacklevel=2)
     if out:
         return out
     found = _matching(root, file_name, 0)

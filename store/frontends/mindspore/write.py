@@ -10,9 +10,7 @@ from typing import Any
 
 import numpy as np
 from reshard.layouts import OPTIMIZER_PREFIXES, Layout, strategy_layouts
-from reshard.layouts.errors import (
-    LayoutError,
-)
+from reshard.layouts.errors import FormatError, LayoutError
 
 from ...format.tree import flatten
 from ...io.replace import replacing
@@ -82,7 +80,13 @@ def export_mindspore(src_url: str | Checkpoint, dst_dir: str | os.PathLike[str],
     ckpt = src_url if isinstance(src_url, Checkpoint) else open(src_url, storage_options=storage_options)
     given = dict(shapes or {})
     given.update({n: m.shape for n, m in ckpt.arrays.items() if n not in given})
-    strat = load_strategy(strategy, given)
+    try:
+        strat = load_strategy(strategy, given)
+    except FormatError as e:  # a strategy entry of no tensor the checkpoint holds, and no shape of its own
+        if "; pass it in shapes" not in str(e):
+            raise
+        raise FormatError(f"{str(e).replace('; pass it in shapes', '')}, and {ckpt.url} holds no tensor of that "
+                          "name: is the strategy this checkpoint's?") from None
     all_ranks = sorted(set().union(*(lay.ranks for lay in strat.values()))) if strat else [0]
     mapped = strategy_layouts(strat, {n: m.shape for n, m in ckpt.arrays.items()}, prefixes)
     targets = {name: mapped.get(name) or Layout(meta.shape, (len(all_ranks),), tuple(all_ranks))
