@@ -28,7 +28,7 @@ from .commands import (
     storage_options,
     tensor_stats,
 )
-from .frameworks import register_import
+from .frameworks import grid_option, register_import
 from .verify import cmd_verify
 from .write import (
     EXPORT_FORMATS,
@@ -159,9 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("convert", cmd_convert, "write SRC again at DST in another storage form (same layouts)", json_out=False)
     p.add_argument("src")
     p.add_argument("dst", help="where the converted checkpoint goes; SRC itself with --overwrite converts in place")
-    p.add_argument("--form", choices=["directory", "packed"], required=True,
+    p.add_argument("--form", choices=["directory", "packed"], default=None,
                    help="directory: one object per shard (TensorStore reads it); packed: one data object per rank "
-                        "plus kerchunk references")
+                        "plus kerchunk references (default: SRC's form; --form or --grid is needed)")
+    grid_option(p)
     p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
     p = add("export", cmd_export, "stream every tensor into one file (safetensors, npz, torch), "
             "or into MindSpore per-rank files, a DeepSpeed ZeRO save or a Megatron-Core torch_dist save",

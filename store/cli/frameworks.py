@@ -42,7 +42,16 @@ def register_import(subparsers: Any, common: argparse.ArgumentParser) -> None:
                        help="let the import leave out what it does not decode whose name matches PATTERN (a glob, "
                             "or a dotted prefix; repeatable), recorded in the leaf reshard.skipped; without it, "
                             "anything not decoded is an error naming it")
+        grid_option(p)
         p.set_defaults(func=_flags(row.run_import), parser=p)
+
+
+def grid_option(p: argparse.ArgumentParser) -> None:
+    """``--grid``: the shard grid of tensors whose blocks are uneven (``reshard import``, ``reshard convert``)."""
+    p.add_argument("--grid", choices=["exact", "regular"], default=None,
+                   help="tensors whose blocks are uneven (balanced splits, Megatron blocks, flat ranges): 'exact' "
+                        "(default), one shard per block on zarr's rectilinear grid (reshard, zarr-python >= 3.2); "
+                        "'regular', a regular grid every zarr 3.1 and TensorStore reader opens")
 
 
 def _src_dst(p: argparse.ArgumentParser) -> None:
@@ -127,8 +136,9 @@ def _other_format(args: argparse.Namespace, error: str) -> str:
 def _options(args: argparse.Namespace) -> dict[str, Any]:
     from .commands import storage_options
 
+    grid = {"grid": args.grid} if args.grid else {}
     return {"storage_options": storage_options(args.storage_option), "overwrite": args.overwrite,
-            "skip": tuple(args.skip)}
+            "skip": tuple(args.skip), **grid}
 
 
 def _report(what: str, args: argparse.Namespace, t0: float, result: Any) -> int:

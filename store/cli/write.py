@@ -103,22 +103,28 @@ def cmd_redivide(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    """``reshard convert SRC DST --form F``: write SRC again in storage form F, same layouts."""
+    """``reshard convert SRC DST [--form F] [--grid G]``: write SRC again in storage form F / shard grid G,
+    same layouts."""
     from reshard.layouts.errors import CheckpointExistsError
 
     from ..ops.redivide import convert
 
+    if args.form is None and args.grid is None:
+        args.parser.error("give --form (the storage form to write), --grid (the shard grid), or both")
     ckpt = open_url(args.src, args)
+    form = args.form or ckpt.form
+    grid = {"grid": args.grid} if args.grid else {}
     t0 = time.perf_counter()
     try:
-        stats = convert(ckpt, args.dst, args.form, overwrite=args.overwrite,
-                        storage_options=storage_options(args.storage_option))
+        stats = convert(ckpt, args.dst, form, overwrite=args.overwrite,
+                        storage_options=storage_options(args.storage_option), **grid)
     except CheckpointExistsError:
         raise CheckpointExistsError(f"{args.dst} already holds a committed checkpoint (--overwrite replaces it)"
                                     ) from None
     seconds = time.perf_counter() - t0
     print(f"converted {len(ckpt.arrays)} tensors, {human_bytes(ckpt.nbytes)}, {args.src} ({ckpt.form}) -> "
-          f"{args.dst} ({args.form}) in {seconds:.2f} s; wrote {stats.writes} objects")
+          f"{args.dst} ({form}{', grid ' + args.grid if args.grid else ''}) in {seconds:.2f} s; "
+          f"wrote {stats.writes} objects")
     return 0
 
 
