@@ -370,3 +370,22 @@ def test_inspect_with_a_pattern_shows_only_the_leaves_it_matches(ckpt_url, capsy
     footer = capsys.readouterr().out.splitlines()[-1]
     assert footer.startswith("total: 1 tensors, ") and "leaves" not in footer
     assert run("inspect", ckpt_url, "step") == 1  # a leaf alone is not a tensor: reshard show URL step prints it
+
+
+def test_help_and_import_load_neither_zarr_nor_numpy():
+    # the command line starts quickly (issue 37 item 7; timed by python -m bench.cli_start): the parser and
+    # `import reshard.store` leave zarr and numpy to the commands and functions that use them
+    probe = ("import sys\nfrom reshard.store.cli import main\nassert main(['--help']) == 0\n"
+             "import reshard.store\nprint(sorted(m for m in ('zarr', 'numpy', 'dask', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.splitlines()[-1] == "[]"
+
+
+def test_zarr_imported_after_reshard_store_knows_reshards_dtypes():
+    # zarr-python < 3.4.1 never loads the zarr.data_type entry points: importing zarr after reshard.store registers them
+    probe = ("import reshard.store\nimport zarr\nfrom zarr.core.dtype import data_type_registry\n"
+             "import reshard.store as rs\nprint(sorted(n for n in ('bfloat16', 'float8_e4m3fn', 'float8_e5m2') "
+             "if n in data_type_registry.contents), callable(rs.commit), rs.commit.__module__)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["['bfloat16',", "'float8_e4m3fn',", "'float8_e5m2']", "True",
+                                  "reshard.store.commit.protocol"]

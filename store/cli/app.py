@@ -17,39 +17,38 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from .. import __version__
-from .commands import (
-    SLAB_BYTES,
-    cmd_diff,
-    cmd_inspect,
-    cmd_show,
-    compare,
-    parse_region,
-    slabs,
-    storage_options,
-    tensor_stats,
-)
-from .frameworks import grid_option, register_import
-from .verify import cmd_verify
-from .write import (
-    EXPORT_FORMATS,
-    OPT_WORDS,
-    cmd_convert,
-    cmd_demo,
-    cmd_export,
-    cmd_gc,
-    cmd_redivide,
-    cmd_unlock,
-    load_layout_spec,
-    short_layouts,
-)
+from .frameworks import EXPORT_FORMATS, grid_option, register_import
 
-__all__ = [
-    "Parser", "build_parser", "main", "register_import",
-    # the commands and their helpers, importable from here as before the split
-    "OPT_WORDS", "SLAB_BYTES", "cmd_convert", "cmd_demo", "cmd_diff", "cmd_export", "cmd_inspect", "cmd_redivide",
-    "cmd_show", "cmd_verify", "compare", "load_layout_spec", "parse_region", "short_layouts", "slabs",
-    "storage_options", "tensor_stats",
-]
+#: Where the commands and their helpers live. The parser needs none of them, and ``--help`` or a usage
+#: error should not pay for zarr and numpy: each is imported when a command runs (:func:`_command`) or
+#: when it is asked for by name (``from reshard.store.cli.app import compare``: module ``__getattr__``).
+_HOMES = {
+    **dict.fromkeys(["SLAB_BYTES", "cmd_diff", "cmd_inspect", "cmd_show", "compare", "parse_region", "slabs",
+                     "storage_options", "tensor_stats"], "commands"),
+    **dict.fromkeys(["OPT_WORDS", "cmd_convert", "cmd_demo", "cmd_export", "cmd_gc", "cmd_redivide", "cmd_unlock",
+                     "load_layout_spec", "short_layouts"], "write"),
+    "cmd_verify": "verify",
+}
+
+__all__ = ["Parser", "build_parser", "main", "register_import", *_HOMES]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"{__package__}.{_HOMES[name]}"), name)
+
+
+def _command(name: str) -> Callable[[argparse.Namespace], int]:
+    """The command ``name``, imported when it runs."""
+
+    def run(args: argparse.Namespace) -> int:
+        return int(__getattr__(name)(args) or 0)
+
+    run.__name__ = name
+    return run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -115,32 +114,32 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--json", action="store_true", help="print JSON instead of text")
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
 
-    def add(name: str, func: Callable[[argparse.Namespace], int], text: str, json_out: bool = True) -> Any:
+    def add(name: str, text: str, json_out: bool = True) -> Any:  # runs cmd_<name>
         p = sub.add_parser(name, parents=[common, out] if json_out else [common], help=text, description=text)
-        p.set_defaults(func=func, parser=p)
+        p.set_defaults(func=_command(f"cmd_{name}"), parser=p)
         return p
 
-    p = add("inspect", cmd_inspect, "tensors, dtypes, shapes, saving layouts, sizes, shards (reads no data)")
+    p = add("inspect", "tensors, dtypes, shapes, saving layouts, sizes, shards (reads no data)")
     p.add_argument("url")
     p.add_argument("pattern", nargs="?", help="glob on dotted names ('*.exp_avg.*'); without wildcards: "
                                               "that name or everything under it")
     p.add_argument("--uncommitted", action="store_true", help="describe a never-committed checkpoint "
                                                               "from its ranks' manifests")
-    p = add("show", cmd_show, "values of a tensor region, or their statistics (--stats); or a leaf's value")
+    p = add("show", "values of a tensor region, or their statistics (--stats); or a leaf's value")
     p.add_argument("url")
     p.add_argument("tensor")
     p.add_argument("--region", help="numpy basic index, e.g. '0:4,:' or '3' or '...,0:2' "
                                     "(default: a corner of at most 8 per dim; with --stats the whole tensor)")
     p.add_argument("--stats", action="store_true", help="min/max/mean/std/norm and NaN/Inf counts, "
                                                         "streamed chunk by chunk with dask")
-    p = add("diff", cmd_diff, "compare two checkpoints; exit 0 same, 1 differ")
+    p = add("diff", "compare two checkpoints; exit 0 same, 1 differ")
     p.add_argument("url_a")
     p.add_argument("url_b")
     p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: equal values)")
     p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance, |a-b| <= atol + rtol*|b|")
-    p = add("verify", cmd_verify, "commit state, every shard, every chunk's crc32c; exit 1 on any problem")
+    p = add("verify", "commit state, every shard, every chunk's crc32c; exit 1 on any problem")
     p.add_argument("url")
-    p = add("redivide", cmd_redivide, "write SRC again at DST under new layouts", json_out=False)
+    p = add("redivide", "write SRC again at DST under new layouts", json_out=False)
     p.add_argument("src")
     p.add_argument("dst")
     spec = p.add_mutually_exclusive_group(required=True)
@@ -156,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                             "over dp (MindSpore optimizer sharding)")
     p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
     p.add_argument("--compression", choices=["zstd"], help="compress the new chunks")
-    p = add("convert", cmd_convert, "write SRC again at DST in another storage form (same layouts)", json_out=False)
+    p = add("convert", "write SRC again at DST in another storage form (same layouts)", json_out=False)
     p.add_argument("src")
     p.add_argument("dst", help="where the converted checkpoint goes; SRC itself with --overwrite converts in place")
     p.add_argument("--form", choices=["directory", "packed"], default=None,
@@ -164,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "plus kerchunk references (default: SRC's form; --form or --grid is needed)")
     grid_option(p)
     p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
-    p = add("export", cmd_export, "stream every tensor into one file (safetensors, npz, torch), "
+    p = add("export", "stream every tensor into one file (safetensors, npz, torch), "
             "or into MindSpore per-rank files, a DeepSpeed ZeRO save or a Megatron-Core torch_dist save",
             json_out=False)
     p.usage = ("%(prog)s [-h] [-S KEY=VALUE] [--format F] [--strategy FILE] [--max-shard-size SIZE] [--dp N] "
@@ -194,15 +193,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing FILE (a folder: one that is not empty) whole: the export is written "
                         "beside it, then swapped in; without it an existing FILE is refused")
-    p = add("gc", cmd_gc, "delete the saves a checkpoint no longer uses: replaced ones and abandoned attempts")
+    p = add("gc", "delete the saves a checkpoint no longer uses: replaced ones and abandoned attempts")
     p.add_argument("url")
     p.add_argument("--min-age", type=float, default=3600.0, metavar="SECONDS",
                    help="keep saves written in the last SECONDS: they may be in progress (default 3600; 0: none)")
     p.add_argument("--dry-run", action="store_true", help="only print what would be removed")
-    p = add("unlock", cmd_unlock, "remove the commit lock of a save whose committer died")
+    p = add("unlock", "remove the commit lock of a save whose committer died")
     p.add_argument("url")
     p.add_argument("--save-id", default="0", help="the save whose lock to remove (default '0')")
-    p = add("demo", cmd_demo, "save from 8 ranks, redivide to 7 and to 1, verify every byte")
+    p = add("demo", "save from 8 ranks, redivide to 7 and to 1, verify every byte")
     p.add_argument("--out", default="./reshard-demo", help="folder or URL for the demo's files")
     p.add_argument("--ranks", type=int, default=8, choices=[1, 2, 4, 8, 16],
                    help="saving ranks (tp = ranks/2, dp = 2); the demo redivides to ranks-1")

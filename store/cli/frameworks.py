@@ -401,3 +401,7 @@ FRAMEWORKS: dict[str, Framework] = {
                              run_import=_import_safetensors, run_export=_export_safetensors),
     "oneflow": Framework("oneflow", "docs/oneflow.md", ONEFLOW_HELP, _oneflow_args, _import_oneflow),
 }
+
+
+#: ``reshard export`` formats: npz (no framework) and those of :data:`FRAMEWORKS` that export.
+EXPORT_FORMATS = ("npz", *(name for name, row in FRAMEWORKS.items() if row.run_export is not None))

@@ -15,7 +15,7 @@ from typing import Any
 from ..format.meta import ArrayMeta
 from ..read.display import human_bytes
 from .commands import emit, open_url, storage_options
-from .frameworks import FRAMEWORKS, export_file
+from .frameworks import EXPORT_FORMATS, FRAMEWORKS, export_file
 
 #: Name components that mark optimizer states for ``redivide --opt-shard``.
 OPT_WORDS = ("optimizer", "optim", "exp_avg", "exp_avg_sq", "moments", "adam_m", "adam_v")
@@ -129,8 +129,6 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------ export, demo
-#: ``reshard export`` formats: npz (no framework) and those of :data:`~.frameworks.FRAMEWORKS` that export.
-EXPORT_FORMATS = ("npz", *(name for name, row in FRAMEWORKS.items() if row.run_export is not None))
 
 
 def cmd_export(args: argparse.Namespace) -> int:

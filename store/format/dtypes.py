@@ -4,7 +4,8 @@ Names follow the zarr v3 core spec and, for the types the spec lacks
 (``bfloat16``, ``float8_e4m3fn``, ``float8_e5m2``), the names TensorStore uses,
 so TensorStore reads the files natively. numpy gets these types from
 ``ml_dtypes``; zarr-python gets them from :func:`register_zarr_dtypes`, which
-``import reshard.store`` calls.
+this module calls when it is imported (and ``import reshard.store`` arranges when zarr is:
+:mod:`reshard.store.format.zarr_hook`).
 """
 
 from __future__ import annotations
@@ -125,7 +126,8 @@ ZARR_DTYPES: dict[str, type[_MLFloat]] = {c._zarr_v3_name: c for c in (BFloat16,
 def register_zarr_dtypes() -> None:
     """Teach zarr-python the ml_dtypes types under TensorStore's names (idempotent).
 
-    ``import reshard.store`` calls this. zarr-python >= 3.4.1 also finds these types
+    Importing this module calls it; ``import reshard.store`` has it called when zarr is
+    imported. zarr-python >= 3.4.1 also finds these types
     by itself through reshard's ``zarr.data_type`` entry points; older zarr 3
     releases collect entry points of that group but never load them.
     """
@@ -134,3 +136,6 @@ def register_zarr_dtypes() -> None:
     for name, cls in ZARR_DTYPES.items():
         if data_type_registry.contents.get(name) is not cls:
             data_type_registry.register(name, cls)
+
+
+register_zarr_dtypes()
