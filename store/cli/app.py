@@ -61,8 +61,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not hasattr(args, "func"):
         parser.print_help(sys.stderr)
         return 2
+    from ..io.progress import quiet
+
     try:
-        return int(args.func(args) or 0)
+        with quiet(args.quiet):
+            return int(args.func(args) or 0)
     except SystemExit as e:  # parser.error() from inside a command
         return e.code if isinstance(e.code, int) else 2
     except KeyboardInterrupt:
@@ -105,11 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
         "verify, redivide, export. 'reshard COMMAND --help' describes each command; docs/cli.md has examples.")
     parser.add_argument("--version", action="version", version=f"reshard {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
+    parser.add_argument("-q", "--quiet", action="store_true",
+                        help="no progress bars (drawn on a terminal only: imports, exports, redivide, convert, "
+                             "verify, diff)")
     common = Parser(add_help=False)
     common.add_argument("-S", "--storage-option", action="append", default=[], metavar="KEY=VALUE",
                         help="fsspec storage option (repeatable; VALUE parsed as JSON when it is; "
                              "dotted keys nest, e.g. client_kwargs.region_name=eu-west-1)")
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    common.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     out = Parser(add_help=False)
     out.add_argument("--json", action="store_true", help="print JSON instead of text")
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")

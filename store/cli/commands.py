@@ -20,8 +20,8 @@ import numpy as np
 
 from ..format.meta import ArrayMeta
 from ..format.tree import SKIPPED_LEAF, json_leaves
+from ..io.progress import progress_bar
 from ..read.display import human_bytes
-from ..read.graph.schedule import progress_bar
 
 Region = tuple[slice, ...]
 #: Bytes of one tensor read at a time by ``diff``, ``verify`` (bounded memory).

@@ -107,8 +107,11 @@ def _flags(func: Any) -> Any:
     def run(args: argparse.Namespace) -> int:
         from reshard.layouts.errors import CheckpointExistsError, CheckpointNotFoundError
 
+        from ..io.progress import tracking
+
         try:
-            return int(func(args))
+            with tracking(f"import {args.framework}"):
+                return int(func(args))
         except CheckpointNotFoundError as e:  # SRC may be another framework's: name the import that reads it
             raise CheckpointNotFoundError(f"{e}{_other_format(args, str(e))}") from None
         except CheckpointExistsError as e:

@@ -6,29 +6,20 @@ The checks are in :mod:`reshard.store.ops.verify`.
 from __future__ import annotations
 
 import argparse
-import contextlib
-
-from reshard.layouts.errors import ReshardError
 
 from ..read.display import human_bytes
-from ..read.graph.schedule import progress_bar
 from .commands import emit, storage_options
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Exit 0 when sound, 1 on any damage; each line names its kind and the file or tensor."""
     from ..ops.verify import verify
-    from ..read.open import open as open_checkpoint
 
     try:
         opts = storage_options(args.storage_option)
     except ValueError as e:
         args.parser.error(str(e))
-    total = 0
-    with contextlib.suppress(ReshardError, OSError):  # damaged or uncommitted: verify says why
-        total = open_checkpoint(args.url, storage_options=opts, check_current=False).nbytes
-    with progress_bar(total, "verify", unit="B") as bar:
-        report = verify(args.url, storage_options=opts, progress=None if bar is None else bar.update)
+    report = verify(args.url, storage_options=opts)
     if report.damage:
         lines = [f"FAILED: {report.url}: {len(report.damage)} problem(s)"]
         lines += [f"  [{d.kind}] {d.message}" for d in report.damage]

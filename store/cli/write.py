@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..format.meta import ArrayMeta
+from ..io.progress import tracking
 from ..read.display import human_bytes
 from .commands import emit, open_url, storage_options
 from .frameworks import EXPORT_FORMATS, FRAMEWORKS, export_file
@@ -157,7 +158,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     row = FRAMEWORKS.get(fmt)
     if row is not None and row.run_export is not None:
-        return row.run_export(args, t0)
+        with tracking(f"export {fmt}") as bar:
+            if bar is not None:  # the export reads every tensor once (the bar's total)
+                ckpt = open_url(args.src, args)
+                bar.expect(ckpt.nbytes, tensors=len(ckpt.arrays))
+            return row.run_export(args, t0)
     return export_file(args, fmt, t0)
 
 

@@ -40,6 +40,7 @@ from ..format.refs import REFS_KEY, References, objects_of, templates_for
 from ..format.refs import stream as references_stream
 from ..format.schema import check_group, check_root, loads_json
 from ..io import pool
+from ..io.progress import progress_bar
 from ..io.storage import Storage
 from ..read.checkpoint import Checkpoint
 from ..read.open import _file_not_checkpoint as file_not_checkpoint
@@ -107,7 +108,7 @@ class VerifyReport:
 
 
 def verify(url: str, *, storage_options: dict[str, Any] | None = None, data: bool = True,
-           progress: Callable[[int], None] | None = None) -> VerifyReport:
+           progress: bool | Callable[[int], None] | None = None) -> VerifyReport:
     """Check the checkpoint at ``url``; never raises for damage, reports it.
 
     Parameters
@@ -118,8 +119,9 @@ def verify(url: str, *, storage_options: dict[str, Any] | None = None, data: boo
         fsspec options.
     data : bool
         Read and crc32c-check every chunk (the long part); metadata only if false.
-    progress : callable, optional
-        Called with the bytes of each slab read.
+    progress : bool or callable, optional
+        A progress bar over the bytes read (``None``: on a terminal or in a notebook,
+        :mod:`reshard.store.io.progress`), or a callable called with the bytes of each slab read.
 
     Raises
     ------
@@ -146,8 +148,11 @@ def verify(url: str, *, storage_options: dict[str, Any] | None = None, data: boo
     if ckpt is not None:
         report.tensors = len(ckpt.arrays)
         report.without_checksums = sorted(n for n, m in ckpt.arrays.items() if not m.checksums)
-        if data:
+        if data and callable(progress):
             _check_data(ckpt, report, progress)
+        elif data:
+            with progress_bar(ckpt.nbytes, "verify", cast(bool | None, progress), unit="B") as bar:
+                _check_data(ckpt, report, None if bar is None else bar.update)
     report.seconds = time.perf_counter() - t0
     return report
 

@@ -25,6 +25,7 @@ from reshard.layouts.errors import (
 from ..commit.locate import Locator
 from ..format.meta import COMMIT_KEY, ArrayMeta
 from ..format.tree import LayoutSpec, flatten, from_json, resolve_layout, suggest, unflatten
+from ..io import progress
 from ..io.gcpause import gc_paused
 from ..io.stats import IOStats
 from ..io.storage import Storage
@@ -213,6 +214,8 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
                                   "deleted (gc or retention) or copied incompletely") from None
             raise
         self.check_current()  # after the read: what it returns was the checkpoint when it returned
+        progress.advance(sum(dest.nbytes for _, _, dest in jobs),
+                         tensors=sum(dest.shape == meta.shape for meta, _, dest in jobs))
         return stats
 
     def check_current(self) -> None:

@@ -163,7 +163,7 @@ def export(ckpt: Checkpoint, path: str, format: str = "safetensors", names: Iter
     names : iterable of str, optional
         Tensors to export, in this order (default: all, sorted by name).
     progress : bool, optional
-        A progress bar; default only when stderr is a TTY.
+        A progress bar; default: on a terminal or in a notebook (:mod:`reshard.store.io.progress`).
     scheduler : None, "threads", "sync" or dask.distributed.Client
         Where the read tasks run.
     budget : int

@@ -23,6 +23,7 @@ Nothing is renamed (object stores cannot) and readers trust only the marker.
 from __future__ import annotations
 
 import functools
+import math
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -48,7 +49,7 @@ from ..format.refs import DEFAULT_OBJECT_BYTES, PACKED_DIR, check_form
 from ..format.schema import check_names, with_digest
 from ..format.table import rank_trailer, shard_table
 from ..format.tree import LayoutSpec, flatten, json_leaves, resolve_layout
-from ..io import packed, pool
+from ..io import packed, pool, progress
 from ..io.gcpause import gc_paused
 from ..io.storage import Storage
 from .incremental import Base, Reusable, digest
@@ -106,6 +107,7 @@ class CheckpointWriter:
         self.buffer_bytes = min(int(buffer_bytes), self.object_bytes)
         #: Packed form, block writers: shards written by write_block, not yet in an object.
         self._pending: list[tuple[str, list[Any], str]] = []
+        self._unwritten: dict[str, int] = {}  # write_block's tensors: elements still to come (progress)
         self._pending_bytes = 0
         #: Packed form, block writers: where write_block's shards went, and their hashes.
         self._located: dict[str, Any] = {}
@@ -184,7 +186,11 @@ class CheckpointWriter:
         :func:`reshard.store.format.grid.choose_grid`). The shard grid is
         recorded in the manifests.
         """
-        return self.plan(name, layout, dtype, single_writer).meta
+        meta = self.plan(name, layout, dtype, single_writer).meta
+        if name not in self._unwritten:
+            self._unwritten[name] = math.prod(meta.shape)
+            progress.expect(meta.nbytes, tensors=1)
+        return meta
 
     # -------------------------------------------------------------- write
     @gc_paused()
@@ -287,6 +293,7 @@ class CheckpointWriter:
         the caller leaves it unchanged until then (importers pass each block's own array).
         """
         self._lease.renew()
+        self._report(meta, data)
         if self.form == "directory":
             pool.run_all(self._shard_jobs(meta, region, data), self.storage.local)
             return
@@ -295,6 +302,11 @@ class CheckpointWriter:
         self._pending_bytes += sum(memoryview(p).nbytes for _, parts, _ in blobs for p in parts)
         if self._pending_bytes >= self.buffer_bytes:
             self.flush()
+
+    def _report(self, meta: ArrayMeta, data: np.ndarray) -> None:
+        """Progress of the command writing (:func:`reshard.store.io.progress.tracking`): bytes, and finished tensors."""
+        left = self._unwritten[meta.name] = self._unwritten.get(meta.name, 0) - data.size
+        progress.advance(data.nbytes, tensors=int(left == 0))
 
     def flush(self) -> dict[str, Any]:
         """Packed form: write the shards :meth:`write_block` holds as one data object.

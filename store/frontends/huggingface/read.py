@@ -276,7 +276,7 @@ def import_safetensors(src: str | os.PathLike[str], dst_url: str, *, layouts: La
     src_storage_options : dict, optional
         fsspec options for ``src`` (``dst_url``'s are ``storage_options``).
     progress : bool, optional
-        A progress bar (default: when stderr is a terminal).
+        A progress bar (default: on a terminal or in a notebook).
     skip : sequence of str
         ``__metadata__`` entries the import may leave out (``"__metadata__.<key>"``, globs or
         dotted prefixes, :class:`~reshard.store.frontends.sources.Skips`): a key that shards give
@@ -333,7 +333,7 @@ def import_safetensors(src: str | os.PathLike[str], dst_url: str, *, layouts: La
               if len(ps) > 1 else resolve_layout(rule, n, shapes[n]) for n, ps in pieces.items()}
     writer = create(dst_url, chosen, **single_process(options))
     metas = {n: writer.meta(n, chosen[n], ps[0].entry.dtype, single_writer=True) for n, ps in pieces.items()}
-    from ...read.graph.schedule import progress_bar
+    from ...io.progress import progress_bar
 
     offsets = {(p.header.path, p.entry.name): p.offsets for ps in pieces.values() for p in ps}
     with progress_bar(sum(m.nbytes for m in metas.values()), "import safetensors", progress, unit="B") as bar:

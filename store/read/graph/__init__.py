@@ -1,9 +1,10 @@
 """dask graphs of checkpoint reads.
 
 ``build``: read tasks, dask arrays, ``load_many``. ``schedule``: fusion of small
-reads, the in-flight byte budget, running a graph, progress bars.
+reads, the in-flight byte budget, running a graph (progress bars: :mod:`reshard.store.io.progress`).
 """
 
+from ...io.progress import progress_bar
 from .build import (
     LoadResult,
     ReadOp,
@@ -29,7 +30,6 @@ from .schedule import (
     budget,
     fuse,
     fusion_cap,
-    progress_bar,
     release,
     run,
 )

@@ -34,6 +34,7 @@ import numpy as np
 from ...commit.locate import Locator, locator_for
 from ...format.meta import ArrayMeta
 from ...format.tree import LayoutSpec, unflatten
+from ...io.progress import progress_bar
 from ...io.stats import IOStats
 from ...io.storage import Storage
 from ..fetch import Boxes, Fetcher, target_region
@@ -41,7 +42,6 @@ from .schedule import (
     DEFAULT_FUSE_BYTES,
     fuse,
     fusion_cap,
-    progress_bar,
     run,
 )
 
@@ -333,7 +333,7 @@ def load_many(ckpt: Checkpoint, layouts: LayoutSpec, ranks: Iterable[int], *, na
         Coalescing gap (bytes) between chunk reads of one shard; default the
         checkpoint's.
     progress : bool, optional
-        A progress bar; default only when stderr is a TTY.
+        A progress bar; default: on a terminal or in a notebook (:mod:`reshard.store.io.progress`).
 
     Returns
     -------

@@ -5,7 +5,7 @@ The machinery that :func:`reshard.store.read.graph.load_many`,
 (see ``docs/dask.md``): :func:`fusion_cap` and :func:`fuse` group small
 operations into tasks, :class:`Budget` bounds the bytes tasks hold at once in
 one process, :func:`run` computes a graph on threads, inline or on a
-``dask.distributed`` cluster, and :func:`progress_bar` draws a tqdm bar.
+``dask.distributed`` cluster (bars: :mod:`reshard.store.io.progress`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
 import threading
 import uuid
 from collections import OrderedDict
@@ -163,40 +162,6 @@ def release(ref: BudgetRef) -> None:
 
 
 # -------------------------------------------------------------- scheduling
-@contextlib.contextmanager
-def progress_bar(total: int, desc: str, progress: bool | None = None, unit: str = "task") -> Iterator[Any]:
-    """``with progress_bar(...) as bar``: a tqdm bar over ``total`` units, or None; closed on exit.
-
-    Parameters
-    ----------
-    total : int
-        Units to come; no bar for 0.
-    desc : str
-        The bar's label.
-    progress : bool, optional
-        Draw it; ``None``: only when stderr is a TTY.
-    unit : str
-        ``"task"`` (graphs) or ``"B"`` (bytes, shown as kB, MB...).
-    """
-    bar = _make_bar(total, desc, sys.stderr.isatty() if progress is None else progress, unit)
-    try:
-        yield bar
-    finally:
-        if bar is not None:
-            bar.close()
-
-
-def _make_bar(total: int, desc: str, progress: bool, unit: str) -> Any:
-    if not progress or total == 0:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # progress is a nicety: never fail for it
-        log.info("reshard: install tqdm for progress bars")
-        return None
-    return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", leave=False)
-
-
 def run(dsk: Mapping[Any, Any], keys: list[Any], scheduler: Any = None, bar: Any = None) -> list[Any]:
     """Compute ``keys`` of a task graph; the first failing task's exception is raised.
 
