@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -316,3 +317,67 @@ def test_python_api_counts_and_errors() -> None:
     assert lay["model.layers.0.self_attn.k_proj.weight"].region(3) == (slice(8, 16), slice(0, 32))  # d=1, t=1
     with pytest.raises(PresetError, match="--tp must be a positive integer"):
         Mesh(tp=0)
+
+
+# ------------------------------------------------------------------ the docs' recipes, as written
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def _recipe(page: str, heading: str) -> list[str]:
+    """The command lines of the first ``bash`` block under `heading` in docs/`page`."""
+    text = (DOCS / page).read_text()
+    block = text[text.index(heading):].split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line for line in block.splitlines() if line.strip()]
+
+
+def _run_recipe(lines: list[str], capfd: pytest.CaptureFixture[str], data: Path | None = None) -> None:
+    """Run each ``reshard ...`` line by the CLI; ``# exit 1: MESSAGE`` lines must fail with MESSAGE on stderr."""
+    for line in lines:
+        command, _, comment = line.partition("#")
+        argv = shlex.split(command)
+        assert argv[0] == "reshard", line
+        if data is not None:
+            argv = [str(data / a.removeprefix("tests/data/")) if a.startswith("tests/data/") else a for a in argv]
+        capfd.readouterr()
+        code = cli(*argv[1:])
+        err = capfd.readouterr().err
+        if comment.strip().startswith("exit 1:"):
+            assert code == 1 and comment.split(":", 1)[1].strip() in err, (line, err)
+        else:
+            assert code == 0, (line, err)
+
+
+def test_huggingface_docs_recipe(tmp_path: Path, capfd: pytest.CaptureFixture[str],
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    lines = _recipe("huggingface.md", "## Megatron layouts by Hugging Face names")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+    torch.manual_seed(4)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
+    with safetensors.safe_open(str(tmp_path / "llama" / "model.safetensors"), "np") as st:
+        whole = {k: st.get_tensor(k) for k in st.keys()}  # noqa: SIM118
+    monkeypatch.chdir(tmp_path)
+    _run_recipe(lines, capfd)
+    ckpt = rs.open("ck-tp2pp2")
+    layouts = {n: a.layout for n, a in ckpt.arrays.items()}
+    got = {r: {n: v for n, v in _flat(ckpt.load(layouts, r)).items() if isinstance(v, np.ndarray)} for r in range(8)}
+    _compare(got, _llama_want(whole, cfg, tp=2, pp=2, dp=2))
+
+
+def test_megatron_docs_recipe(tmp_path: Path, capfd: pytest.CaptureFixture[str],
+                              monkeypatch: pytest.MonkeyPatch) -> None:
+    lines = _recipe("megatron.md", "## Redivide by Megatron-Core names")
+    monkeypatch.chdir(tmp_path)
+    _run_recipe(lines, capfd, data=DATA.parent)
+    ckpt = rs.open("rs-gpt-tp2pp2")
+    ref = np.load(DATA / "forms" / "reference_dp_reshardable.npz")
+    fc2 = "decoder.layers.mlp.linear_fc2.weight"
+    layouts = {n: a.layout for n, a in ckpt.arrays.items()}
+    for p, t in np.ndindex(2, 2):
+        got = _flat(ckpt.load(layouts, _rank(t, p=p, tp=2)))
+        np.testing.assert_array_equal(got[fc2].astype(np.float32), _part(ref[f"model/{fc2}"][p:p + 1], t, 2, 2))
+        vocab = got.get("embedding.word_embeddings.weight")
+        assert (vocab is not None) == (p == 0)
+        if vocab is not None:
+            np.testing.assert_array_equal(vocab.astype(np.float32),
+                                          _part(ref["model/embedding.word_embeddings.weight"], t, 2, 0))
