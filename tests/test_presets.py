@@ -11,9 +11,11 @@ that rank's region of the preset, and the preset must cut where Megatron cut.
 
 from __future__ import annotations
 
+import os
 import pickle
 import re
 import shlex
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -213,6 +215,8 @@ def _cuts(regions: list[tuple[tuple[int, ...], tuple[int, ...]]], dim: int) -> s
     ("tp2dp2", ["--tp", "2", "--dp", "2"]),                                     # megatron-core 0.12.1
     ("forms/dp_reshardable", ["--tp", "2", "--dp", "2", "--heads", "2"]),       # megatron-core 0.16.1 GPT
     ("forms/moe_dp_reshardable", ["--ep", "2", "--skip"]),                      # 0.16.1 MoE, EP=2
+    ("forms/glu", ["--tp", "2", "--heads", "2"]),                               # 0.16.1 SwiGLU, layers stacked
+    ("forms/glu_singleton", ["--tp", "2", "--heads", "2"]),                     # layers apart, GLU halves apart
 ])
 def test_megatron_core_names_give_the_blocks_megatron_saved(tmp_path: Path, sample: str, flags: list[str]) -> None:
     skip = flags[-1] == "--skip"
@@ -229,6 +233,8 @@ def test_megatron_core_names_give_the_blocks_megatron_saved(tmp_path: Path, samp
             region = layout.region(rank)
             assert all(r.start <= o and o + s <= r.stop for r, o, s in zip(region, off, size, strict=True)), \
                 (name, rank, off, size, region)
+        if name == "decoder.layers.mlp.linear_fc1.weight" and sample == "forms/glu":
+            continue  # two blocks per rank: whole over tp (test_glu_linear_fc1_against_what_megatron_held)
         saved = [(o, s) for _, o, s in chunks]
         preset = [(tuple(s.start for s in b.region), b.shape) for b in layout.blocks()]
         for dim in range(len(layout.shape)):
@@ -381,3 +387,51 @@ def test_megatron_docs_recipe(tmp_path: Path, capfd: pytest.CaptureFixture[str],
         if vocab is not None:
             np.testing.assert_array_equal(vocab.astype(np.float32),
                                           _part(ref["model/embedding.word_embeddings.weight"], t, 2, 0))
+
+
+def test_glu_linear_fc1_against_what_megatron_held(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """Megatron-Core 0.16.1's SwiGLU at TP=2: the stacked linear_fc1 is [gate_all; up_all], rank r holding gate
+    rows r and up rows r (its local [gate_r; up_r], as it held them); saved with singleton_local_shards, the
+    halves weight_w / weight_v are column-parallel tensors of their own, loaded per rank by the preset."""
+    held = np.load(DATA / "forms" / "reference_glu.npz")
+    assert cli("import", "megatron", DATA / "forms" / "glu", tmp_path / "ck") == 0
+    capfd.readouterr()
+    got = _redivided(str(tmp_path / "ck"), tmp_path / "out", "--tp", "2", "--heads", "2")
+    assert "kept whole over the 2 tensor-parallel ranks: decoder.layers.mlp.linear_fc1.weight" in capfd.readouterr().err
+    ffn = 12
+    for r, layer in np.ndindex(2, 2):
+        whole = got[r]["decoder.layers.mlp.linear_fc1.weight"][layer]  # whole over tp: every rank has all rows
+        half = ffn // 2  # one rank's rows of each half
+        mine = np.concatenate([whole[r * half:(r + 1) * half], whole[ffn + r * half:ffn + (r + 1) * half]])
+        np.testing.assert_array_equal(mine, held[f"rank{r}/{layer}"])
+    assert cli("import", "megatron", DATA / "forms" / "glu_singleton", tmp_path / "ck1") == 0
+    got = _redivided(str(tmp_path / "ck1"), tmp_path / "out1", "--tp", "2", "--heads", "2")
+    for r, layer in np.ndindex(2, 2):
+        fc1 = f"decoder.layers.{layer}.mlp.linear_fc1."
+        mine = np.concatenate([got[r][fc1 + "weight_w"], got[r][fc1 + "weight_v"]])
+        np.testing.assert_array_equal(mine, held[f"rank{r}/{layer}"])
+
+
+def _has_megatron() -> bool:
+    python = os.environ.get("RESHARD_MEGATRON16_PYTHON")
+    if not python:
+        return False
+    try:
+        return subprocess.run([python, "-c", "import megatron.core"], capture_output=True, timeout=120).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not _has_megatron(), reason="megatron-core >= 0.13 is not importable by "
+                                                "$RESHARD_MEGATRON16_PYTHON")
+def test_glu_samples_are_what_megatron_writes(tmp_path: Path) -> None:
+    """make_glu.py, run again by megatron-core, writes the same per-rank weights as the checked-in sample."""
+    run = subprocess.run([os.environ["RESHARD_MEGATRON16_PYTHON"], str(DATA / "forms" / "make_glu.py"), str(tmp_path)],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    fresh, held = np.load(tmp_path / "reference_glu.npz"), np.load(DATA / "forms" / "reference_glu.npz")
+    assert sorted(fresh.files) == sorted(held.files)
+    for key in held.files:
+        np.testing.assert_array_equal(fresh[key], held[key])
+    assert sorted(p.name for p in (tmp_path / "glu").iterdir()) == sorted(
+        p.name for p in (DATA / "forms" / "glu").iterdir())

@@ -76,6 +76,8 @@ MEGATRON_CORE: tuple[tuple[re.Pattern[str], Rule], ...] = (
     (_r(r"(^|\.)decoder\.final_(layer)?norm\.(weight|bias)$"), Rule("whole", None, "last", family=MC)),
     (_r(_DEC + r"linear_qkv\.(weight|bias)$"),
      Rule("column", 0, heads="qkv", family=MC, what="column-parallel (query groups)")),
+    (_r(_DEC + r"linear_fc1\.(weight|bias)_[wv]$"),  # a GLU's halves apart (singleton_local_shards)
+     Rule("column", 0, family=MC, what="column-parallel (GLU half)")),
     (_r(_DEC + r"linear_fc1\.(weight|bias)$"),
      Rule("column", 0, heads="glu", family=MC, what="column-parallel")),
     (_r(_DEC + r"linear_(proj|fc2)\.weight$"), Rule("row", -1, family=MC, what="row-parallel")),
