@@ -323,6 +323,10 @@ def test_python_api_counts_and_errors() -> None:
     assert lay["model.layers.0.self_attn.k_proj.weight"].region(3) == (slice(8, 16), slice(0, 32))  # d=1, t=1
     with pytest.raises(PresetError, match="--tp must be a positive integer"):
         Mesh(tp=0)
+    res = megatron_layouts({**shapes, "vision.patch.weight": (4, 4)}, Mesh(tp=2), Counts(heads=4))
+    assert res.unmatched == ("vision.patch.weight",)
+    assert res.layouts["vision.patch.weight"].region(1) == (slice(0, 4), slice(0, 4))
+    assert "1 tensors match no rule of preset megatron and are whole on every rank: vision.patch.weight" in res.notes
 
 
 # ------------------------------------------------------------------ the docs' recipes, as written

@@ -105,11 +105,11 @@ def _item(name: str, shape: tuple[int, ...], rule: Rule) -> _Item:
     it = _Item(name, shape, rule)
     if rule.family == rules.MC:
         m = rules.MC_LAYER.search(key)
-        if m and m.group(2) is None:
+        if m and m.group(2) is None and shape:
             it.layer_axis, it.base = 0, 1
-        elif m:
+        elif m and m.group(2) is not None:
             it.layer = int(m.group(2))
-        if rules.MC_STACKED_EXPERTS.search(key):
+        if rules.MC_STACKED_EXPERTS.search(key) and len(shape) > it.base:
             it.expert_axis, it.base = it.base, it.base + 1
     else:
         h = rules.HF_LAYER.search(key)
