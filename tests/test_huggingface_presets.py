@@ -32,7 +32,7 @@ def _import(model: object, tmp_path: Path) -> rs.Checkpoint:
 
 
 def _ranks(ckpt: rs.Checkpoint, tmp_path: Path, dp: int = 1) -> list[dict[str, np.ndarray]]:
-    layouts = preset_layouts({n: m.shape for n, m in ckpt.arrays.items()}, TP, dp)
+    layouts = preset_layouts({n: m.shape for n, m in ckpt.arrays.items()}, TP, dp, heads=4)
     rs.redivide(ckpt, str(tmp_path / "tp"), layouts)
     tp = rs.open(str(tmp_path / "tp"))
     return [tp.load(layouts, rank) for rank in range(TP)]

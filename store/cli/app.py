@@ -149,14 +149,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("redivide", "write SRC again at DST under new layouts", json_out=False)
     p.add_argument("src")
     p.add_argument("dst")
-    spec = p.add_mutually_exclusive_group(required=True)
+    spec = p.add_mutually_exclusive_group()
     spec.add_argument("--layout", metavar="SPEC", help="MindSpore strategy file (protobuf or JSON) or a JSON "
                                                        "file {name: Layout.to_json()}")
-    spec.add_argument("--tp", type=int, help="short form: tensors of 2+ dims split dim 0 over tp ranks")
+    spec.add_argument("--tp", type=int, help="short form: tensors of 2+ dims split dim 0 over tp ranks (with --preset: "
+                                                "Megatron's tensor parallelism, default 1)")
     p.add_argument("--preset", choices=["megatron"],
-                   help="short form: split each tensor as Megatron tensor parallelism does, by its Hugging Face name "
-                        "(column-parallel q/k/v/gate/up, row-parallel o_proj/down_proj, vocab-parallel embeddings; "
-                        "GPT-2's Conv1D transposed; docs/huggingface.md)")
+                   help="short form: split each tensor as Megatron-LM does, by its Megatron-Core or Hugging Face name "
+                        "(column-, row-, vocab-parallel over --tp, layers over --pp stages, experts over --ep; rank "
+                        "order tp-cp-ep-dp-pp, tp fastest; docs/megatron.md, docs/huggingface.md)")
+    p.add_argument("--pp", type=int, default=1, help="--preset megatron: pipeline stages (default 1)")
+    p.add_argument("--ep", type=int, default=1, help="--preset megatron: expert-parallel size (default 1)")
+    p.add_argument("--heads", type=int, metavar="H", help="--preset megatron: attention heads, when the checkpoint "
+                                                           "carries no config naming them")
+    p.add_argument("--kv-heads", type=int, metavar="G", help="--preset megatron: key-value heads (query groups); "
+                                                              "default: read from the shapes")
     p.add_argument("--dp", type=int, default=1, help="short form: data-parallel replicas (default 1)")
     p.add_argument("--opt-shard", action="store_true", help="short form: optimizer states also split "
                                                             "over dp (MindSpore optimizer sharding)")

@@ -73,6 +73,12 @@ def cmd_redivide(args: argparse.Namespace) -> int:
 
     ckpt = open_url(args.src, args)
     opts = storage_options(args.storage_option)
+    if not args.preset and (args.pp != 1 or args.ep != 1 or args.heads is not None or args.kv_heads is not None):
+        args.parser.error("--pp, --ep, --heads and --kv-heads belong to --preset megatron")
+    if args.layout is None and args.tp is None:
+        if not args.preset:
+            args.parser.error("give --layout SPEC, --tp N or --preset megatron")
+        args.tp = 1
     if args.layout is not None:
         if args.dp != 1 or args.opt_shard or args.preset:
             args.parser.error("--dp, --opt-shard and --preset belong to the short form (--tp)")
@@ -83,9 +89,9 @@ def cmd_redivide(args: argparse.Namespace) -> int:
     elif args.preset:
         if args.opt_shard:
             args.parser.error("--opt-shard does not combine with --preset")
-        from ..frontends.huggingface import preset_layouts
+        from .preset import preset_layouts_for
 
-        layouts = preset_layouts({n: m.shape for n, m in ckpt.arrays.items()}, args.tp, args.dp, args.preset)
+        layouts = preset_layouts_for(ckpt, args)
     else:
         layouts = short_layouts(ckpt.arrays, args.tp, args.dp, args.opt_shard)
     t0 = time.perf_counter()
