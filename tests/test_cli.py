@@ -389,3 +389,20 @@ def test_zarr_imported_after_reshard_store_knows_reshards_dtypes():
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == ["['bfloat16',", "'float8_e4m3fn',", "'float8_e5m2']", "True",
                                   "reshard.store.commit.protocol"]
+
+
+@pytest.mark.parametrize("source, shown", [
+    ({"format": "Megatron-Core torch_dist", "ranks": 4}, "imported from 4 ranks' Megatron-Core torch_dist save; "
+                                                           "its layouts number 8 saved pieces"),
+    ({"format": "DCP", "ranks": 8}, "imported from 8 ranks' DCP save"),
+    ({"format": "DCP", "ranks": "8"}, "saved by 8 ranks"),  # the leaf is the file's, not trusted
+    ({"ranks": True}, "saved by 8 ranks"),
+    ("8 ranks", "saved by 8 ranks"),
+])
+def test_inspect_shows_the_job_ranks_an_import_recorded(tmp_path, source, shown, capsys):
+    state = demo.model_state(1, quick=True)
+    layouts = demo.training_layouts(state)
+    url = str(tmp_path / "ck")
+    rs.save({**state, "reshard": {"source": source}}, url, layouts)
+    assert run("inspect", url) == 0
+    assert capsys.readouterr().out.splitlines()[0].endswith(f"(committed, {shown})")

@@ -229,6 +229,11 @@ def test_import_dcp_keeps_chunks_and_values(saved: Path, tmp_path: Path) -> None
     assert [b.region[0] for b in blocks] == [slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 7)]
     assert ckpt.leaves["epoch"] == 3
     assert ckpt.leaves["optim.param_groups"][0]["lr"] == 0.1  # DCP's per-element items joined again
+    # the job's ranks, from DCP's __<rank>_0.distcp files; reshard inspect says so
+    assert ckpt.leaves["reshard.source"] == {"format": "DCP", "ranks": 4}
+    from reshard.store.read.display import saved_by
+
+    assert saved_by(ckpt) == "imported from 4 ranks' DCP save"
 
 
 def test_dcp_single_process_with_bfloat16_and_leaves(tmp_path: Path) -> None:

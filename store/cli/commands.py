@@ -21,7 +21,7 @@ import numpy as np
 from ..format.meta import ArrayMeta
 from ..format.tree import SKIPPED_LEAF, json_leaves
 from ..io.progress import progress_bar
-from ..read.display import human_bytes
+from ..read.display import human_bytes, saved_by
 
 Region = tuple[slice, ...]
 #: Bytes of one tensor read at a time by ``diff``, ``verify`` (bounded memory).
@@ -150,7 +150,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     head = ("tensor", "dtype", "shape", "saving layout", "size", "shards")
     widths = [max(len(r[i]) for r in (head, *rows)) for i in range(len(head))]
     state = "committed" if ckpt.committed else "UNCOMMITTED"
-    print(f"{ckpt.url}  ({state}, saved by {len(ranks)} ranks)")
+    print(f"{ckpt.url}  ({state}, {saved_by(ckpt)})")
     if ckpt.references_url is None:
         print(f"zarr group (plain zarr, TensorStore, dask): {ckpt.zarr_url}")
     else:  # no folder of a packed save is a zarr hierarchy: its chunks are byte ranges of the ranks' objects

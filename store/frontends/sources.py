@@ -9,15 +9,16 @@ it creates the destination. Nor may it report success having left state out
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from fnmatch import fnmatchcase
 from typing import Any
 
 from reshard.layouts.errors import CheckpointNotFoundError, FormatError
 
-from ..format.tree import SKIPPED_LEAF
+from ..format.tree import SKIPPED_LEAF, SOURCE_LEAF
 from ..io.replace import set_aside
 
 
@@ -103,3 +104,17 @@ class Skips:
     def names(self) -> list[str]:
         """The names skipped, in order."""
         return [r["name"] for r in self.records]
+
+
+#: A torch DCP data file, ``__<rank>_<n>.distcp`` (DCP and Megatron-Core ``torch_dist`` saves).
+_DCP_FILE = re.compile(r"__(\d+)_\d+\.distcp")
+
+
+def dcp_source(fmt: str, files: Iterable[str]) -> dict[str, Any]:
+    """The leaf :data:`~reshard.store.format.tree.SOURCE_LEAF` of a DCP-style save: its ranks, from its file names.
+
+    Rank ``r`` writes ``__<r>_<n>.distcp``, so the job had ``max(r) + 1`` ranks (ranks whose pieces
+    were all deduplicated away still write their file). ``{}`` when no file is named that way.
+    """
+    ranks = [int(m.group(1)) for f in files if (m := _DCP_FILE.fullmatch(os.path.basename(str(f))))]
+    return {SOURCE_LEAF: {"format": fmt, "ranks": max(ranks) + 1}} if ranks else {}

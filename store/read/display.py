@@ -167,15 +167,35 @@ def _row(cells: list[str], num: tuple[int, ...] = ()) -> str:
     return f"<tr>{tds}</tr>"
 
 
+def saved_by(ckpt: Checkpoint) -> str:
+    """Who saved ``ckpt``: "saved by N ranks", or for an import the job's ranks as the import recorded them.
+
+    An import's layouts number the pieces the framework saved, which may outnumber its ranks (a
+    Megatron rank saves a flat range of each parameter's state, and a SwiGLU weight as two blocks);
+    the importer records the job in the leaf ``reshard.source`` (:data:`~reshard.store.format.tree.SOURCE_LEAF`).
+    """
+    from ..format.tree import SOURCE_LEAF
+
+    pieces = len(set().union(*(m.layout.ranks for m in ckpt.arrays.values()))) if ckpt.arrays else 0
+    source = ckpt.leaves.get(SOURCE_LEAF)
+    if not isinstance(source, dict):  # saved as part of a state dict (rs.save), the record is flattened
+        source = {k.removeprefix(f"{SOURCE_LEAF}."): v for k, v in ckpt.leaves.items()
+                  if k.startswith(f"{SOURCE_LEAF}.")}
+    ranks = source.get("ranks")
+    if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:  # untrusted: a leaf of the file
+        return f"saved by {pieces} ranks"
+    text = f"imported from {ranks} ranks' {str(source.get('format', 'framework'))[:40]} save"
+    return text if pieces == ranks else f"{text}; its layouts number {pieces} saved pieces"
+
+
 def checkpoint_html(ckpt: Checkpoint) -> str:
     """HTML summary of a checkpoint: one table row per tensor, and the shard map of the largest."""
     e = html.escape
     metas = list(ckpt.arrays.values())
-    ranks = set().union(*(m.layout.ranks for m in metas)) if metas else set()
     state = "committed" if ckpt.committed else '<b style="color:#c00">UNCOMMITTED</b>'
     leaves = ", ".join(f"{e(k)}={e(repr(v))[:40]}" for k, v in list(ckpt.leaves.items())[:8])
     head = (f"<p><b>reshard checkpoint</b> <code>{e(ckpt.url)}</code>: {state}, {len(metas)} tensors, "
-            f"{human_bytes(ckpt.nbytes)}, saved by {len(ranks)} ranks"
+            f"{human_bytes(ckpt.nbytes)}, {e(saved_by(ckpt))}"
             + (f"; leaves: {leaves}" if leaves else "") + "</p>")
     rows = [_row([e(m.name), e(m.dtype), e(str(list(m.shape))), e(m.layout.describe()),
                   human_bytes(m.nbytes), str(math.prod(m.grid))], num=(4, 5))

@@ -23,7 +23,7 @@ from ...format.tree import to_json
 from ...io.storage import Storage
 from ...read.foreign import MEGATRON, detect, foreign_hint
 from ...write.writer import create, single_process
-from ..sources import Skips, local_path, refuse_empty
+from ..sources import Skips, dcp_source, local_path, refuse_empty
 
 #: The globals a DCP ``.metadata`` pickle may name, besides torch dtypes and layouts.
 _DCP_GLOBALS = frozenset(
@@ -255,6 +255,7 @@ def import_dcp(src: str, dst: str, *, src_storage_options: dict[str, Any] | None
     refuse_empty("DCP", src_store.url, len(layouts), f" (found {len(items)} other items)")
     skips.check()
     leaves.update(skips.leaves())
+    leaves.update(dcp_source("DCP", (getattr(info, "relative_path", "") for info in where.values())))
     writer = create(dst, layouts, **single_process(options))
     metas = {n: writer.meta(n, lay, dtypes[n]) for n, lay in layouts.items()}
     total = 0
