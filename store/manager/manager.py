@@ -474,6 +474,28 @@ class CheckpointManager:
                                    "one)") from e
         return self.latest_step()
 
+    def settle(self, step: int) -> None:
+        """Before reading ``step`` by number: if this process saved it and it is not committed yet, wait for this
+        process's commits (at most the commit timeout), so that a load right after the save reads it rather
+        than finding it "never committed". A step this process did not save, or a committed one: one GET at most.
+
+        Raises
+        ------
+        UncommittedCheckpointError
+            If the committer gave a step of this process up.
+        TimeoutError
+            Naming the step still committing when the commit timeout passes first.
+        """
+        with self._lock:
+            mine = max(self._last.values(), default=None)
+        if mine is None or step > mine or step in self.steps():
+            return
+        try:
+            self.wait(committed=True, timeout=self.committer.timeout)
+        except TimeoutError as e:
+            raise TimeoutError(f"{self.url}: step {step}, saved by this process, is still committing after "
+                               f"{self.committer.timeout:.0f} s") from e
+
     def metrics(self, step: int) -> dict[str, float]:
         """The metrics recorded with a committed step."""
         record = next((r for r in committed_steps(self.root) if r.step == step), None)
@@ -487,6 +509,8 @@ class CheckpointManager:
             step = self.restorable_step()
             if step is None:
                 raise CheckpointNotFoundError(f"{self.url}: no committed step")
+        else:
+            self.settle(step)
         options.setdefault("storage_options", self.storage_options)
         return open_checkpoint(f"{self.url}/{step_dir(step)}", **options)
 
