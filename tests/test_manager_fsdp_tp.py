@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -332,21 +333,35 @@ def _disagree_job(rank: int, world: int, port: int, root: str) -> None:
             return {"w": DTensor.from_local(local.clone(), mesh, placements, run_check=False),
                     "b": torch.full((3,), float(step))}
 
-        mgr = TorchCheckpointManager(root, state(1), commit_timeout=8, poll_max=0.05)
+        mgr = TorchCheckpointManager(root, state(1), commit_timeout=10, poll_max=0.05)
         for step in (1, 2):
             mgr.save(step, state(step))
         mgr.wait(committed=True, timeout=60)
         # step 3: rank 1's "w" has other placements than the manager was built with: refused at that save
+        both = ("'w'", "['R', 'S(1)']", "['S(0)', 'S(1)']")
         if rank == 1:
             with pytest.raises(LayoutError) as refused:
                 mgr.save(3, state(3, odd=True))
-            text = str(refused.value)
-            assert "'w'" in text and "['R', 'S(1)']" in text and "['S(0)', 'S(1)']" in text, text
+            assert all(t in str(refused.value) for t in both), refused.value
         else:
             mgr.save(3, state(3))
-            # given up after commit_timeout, never half-committed
-            with pytest.raises(rs.UncommittedCheckpointError, match=r"ranks \[1\] have not written"):
+            # given up after commit_timeout, never half-committed; the committer's message (raised by every
+            # other rank's wait) says why rank 1 wrote nothing
+            with pytest.raises(rs.UncommittedCheckpointError, match=r"ranks \[1\] have not written") as lost:
                 mgr.wait(committed=True, timeout=60)
+            assert "rank 1 refused to save: tensor 'w'" in str(lost.value), lost.value
+            assert all(t in str(lost.value) for t in both), lost.value
+        torch.distributed.barrier()
+        # step 4: the committer's own rank refuses: it records the failure, the others raise without waiting
+        if rank == 0:
+            with pytest.raises(LayoutError):
+                mgr.save(4, state(4, odd=True))
+        else:
+            mgr.save(4, state(4))
+            started = time.monotonic()
+            with pytest.raises(rs.UncommittedCheckpointError, match="rank 0 refused to save: tensor 'w'"):
+                mgr.wait(committed=True, timeout=60)
+            assert time.monotonic() - started < 6, "waited for the commit timeout"
         assert mgr.steps() == [1, 2]
         loaded = state(0)
         assert mgr.load(loaded, step=2) == 2  # the last step committed, restorable

@@ -38,7 +38,7 @@ from ..io.storage import Storage
 from ..read.checkpoint import Checkpoint
 from ..read.open import open as open_checkpoint
 from ..write.writer import CheckpointWriter
-from .committer import JOB_LEASE, Committer, all_layout_ranks, process_ranks
+from .committer import JOB_LEASE, Committer, all_layout_ranks, process_ranks, refusal_key
 from .index import StepRecord, committed_steps, metrics_of, read_index, step_dir
 from .retention import Retention, pin
 from .staging import StagingPool, as_host, host_dtype
@@ -251,6 +251,24 @@ class CheckpointManager:
                 self._commits.submit(_settle, commit, self._commit, step, written, metrics)
             except RuntimeError as e:  # the manager was closed under us
                 commit.set_exception(e)
+
+    def refuse(self, step: int, rank: int, reason: str) -> None:
+        """Say that ``rank`` writes nothing of ``step`` (its save was refused before anything was written).
+
+        The reason goes to ``step-<N>/.reshard/refused/<rank>.json`` (one small PUT): a committer that gives
+        the step up names it beside the missing rank. The committer's own rank records the failure in the
+        index (after the commits queued before it), so that the other ranks' ``wait(committed=True)`` raise it
+        without waiting for the commit timeout.
+        """
+        fence = self.committer.fence
+        note = {"rank": int(rank), "step": int(step), "reason": reason, "time": time.time(),
+                "job": None if fence is None else fence.token}
+        try:
+            self.root.write_atomic(refusal_key(step, rank), json.dumps(note).encode())
+            if rank == self.committer_rank and self._ready:  # in the commit thread: it alone writes the index
+                self._commits.submit(self.committer.record_failure, step, f"rank {rank} refused to save: {reason}")
+        except Exception:  # the refusal itself is what the caller raises; the note only helps the message
+            pass
 
     def _replicas(self, rank: int, tensors: dict[str, Any]) -> dict[str, np.ndarray]:
         """Zero-stride stand-ins for the pieces ``rank`` holds as a replica and writes nothing of."""

@@ -86,15 +86,16 @@ class TorchCheckpointManager:
                         f"no layout (the manager knows {len(self.layouts)} tensors, e.g. {sorted(self.layouts)[:3]}); "
                         "build the manager from a state dict that holds it")
                 if _placed(value) != self._placed[name]:
-                    self._check_placed(name, value, layout)
+                    self._check_placed(step, name, value, layout)
                 if self.rank in layout.ranks:
                     local[name] = rt._local(value)
             else:
                 local[name] = to_json(value, name)
         self.manager.save(step, self.rank, local, metrics=metrics)
 
-    def _check_placed(self, name: str, value: Any, layout: Any) -> None:
-        """Refuse a tensor of another layout than the manager's (another mesh object of the same ranks passes).
+    def _check_placed(self, step: int, name: str, value: Any, layout: Any) -> None:
+        """Refuse a tensor of another layout than the manager's (another mesh object of the same ranks passes);
+        the reason is left for the committer (:meth:`CheckpointManager.refuse`).
 
         Raises
         ------
@@ -105,11 +106,13 @@ class TorchCheckpointManager:
         if layout in (now, layout_of(value, self.ranks)):
             self._placed[name] = _placed(value)
             return
+        reason = (f"tensor {name!r} on rank {self.rank} has layout {describe(now)}, but the manager was built with "
+                  f"{describe(layout)} (agreed by every rank)")
+        self.manager.refuse(step, self.rank, reason)
         raise LayoutError(
-            f"save: tensor {name!r} on rank {self.rank} has layout {describe(now)}, but the manager was built with "
-            f"{describe(layout)} (agreed by every rank); a save's tensors keep the meshes, placements and shapes "
-            "of the state dict the manager was built with: after resharding the model build a new manager. "
-            "This rank saves nothing of this step, so the step is not committed")
+            f"save of step {step}: {reason}; a save's tensors keep the meshes, placements and shapes of the state "
+            "dict the manager was built with: after resharding the model build a new manager. This rank saves "
+            "nothing of this step, so the step is not committed")
 
     def load(self, state_dict: Mapping[str, Any], *, step: int | None = None, strict: bool = True) -> int:
         """Fill ``state_dict`` (any mesh) in place from a committed step (default: the latest); return the step."""
