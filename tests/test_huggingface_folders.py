@@ -206,3 +206,28 @@ def test_inspect_and_show_a_folder_import_name_the_carried_files(tmp_path: Path,
     text = capsys.readouterr().out
     assert '"tokenizer.model"' in text and '"<768 bytes>"' in text and '"<23 bytes>"' in text
     assert "\\u0000" not in text and "b'" not in text
+
+
+def test_export_with_a_prefix_names_the_tensors_without_it(tmp_path: Path) -> None:
+    """A training save's model, ``{"model": ..., "optim": ...}``, as a folder of transformers' own names."""
+    rng = np.random.default_rng(3)
+    state = {"model": {"lm_head.weight": rng.standard_normal((6, 4)).astype(np.float32),
+                       "model.norm.weight": np.ones(4, np.float32)},
+             "optim": {"state": {"lm_head.weight": {"exp_avg": np.zeros((6, 4), np.float32)}}}}
+    rs.save(state, tmp_path / "ck")
+    done = export_safetensors(str(tmp_path / "ck"), tmp_path / "hf", prefix="model.", max_shard_size="64B")
+    index = json.loads(Path(done["index"]).read_text())
+    assert sorted(index["weight_map"]) == ["lm_head.weight", "model.norm.weight"]
+    back = import_safetensors(str(tmp_path / "hf"), str(tmp_path / "back"))
+    np.testing.assert_array_equal(back.read("lm_head.weight"), state["model"]["lm_head.weight"])
+    with pytest.raises(rs.TensorNotFoundError, match=r"no tensor under 'decoder\.'"):
+        export_safetensors(str(tmp_path / "ck"), tmp_path / "none", prefix="decoder.")
+    cli = [sys.executable, "-m", "reshard.store.cli", "export", "safetensors", str(tmp_path / "ck")]
+    bad = subprocess.run([*cli, str(tmp_path / "one.safetensors"), "--prefix", "model."], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "give --max-shard-size" in bad.stderr
+    good = subprocess.run([*cli, str(tmp_path / "hf2"), "--prefix", "model.", "--max-shard-size", "5GB"],
+                          capture_output=True, text=True, timeout=120)
+    assert good.returncode == 0, good.stderr
+    assert sorted(e.name for e in read_header(str(tmp_path / "hf2" / "model.safetensors")).entries) == sorted(
+        index["weight_map"])

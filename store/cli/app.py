@@ -202,8 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-split", action="append", default=[], metavar="PATTERN=RULE",
                    help="deepspeed only: how the tensors whose names match PATTERN split over --tp ranks (a dim, "
                         "'replicated', 'average'), before what the import recorded")
-    p.add_argument("--prefix", default="", help="torch only: export the tensors under PREFIX, named without it "
-                                                "(--prefix model. gives a file for model.load_state_dict)")
+    p.add_argument("--prefix", default="", help="torch and safetensors folders: export the tensors under PREFIX, "
+                                                "named without it (--prefix model. gives a file for "
+                                                "model.load_state_dict, or a folder for from_pretrained)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing FILE (a folder: one that is not empty) whole: the export is written "
                         "beside it, then swapped in; without it an existing FILE is refused")

@@ -306,6 +306,8 @@ def _export_mindspore(args: argparse.Namespace, t0: float) -> int:
 def _export_safetensors(args: argparse.Namespace, t0: float) -> int:
     """A Hugging Face folder (``--max-shard-size``, or FILE an existing folder), else one file."""
     if args.max_shard_size is None and not Path(args.file).is_dir():
+        if args.prefix:
+            args.parser.error("--prefix with safetensors writes a Hugging Face folder: give --max-shard-size")
         return export_file(args, "safetensors", t0)
     from ..frontends.huggingface import DEFAULT_SHARD_SIZE, export_safetensors, parse_size
     from ..read.display import human_bytes
@@ -316,7 +318,7 @@ def _export_safetensors(args: argparse.Namespace, t0: float) -> int:
     except ValueError as e:
         args.parser.error(f"--max-shard-size: {e}")
     done = export_safetensors(open_url(args.src, args), args.file, max_shard_size=size,
-                              overwrite=args.overwrite)
+                              overwrite=args.overwrite, prefix=args.prefix)
     seconds = time.perf_counter() - t0
     print(f"exported {human_bytes(done['total_size'])} of tensors to {args.file}: {len(done['files'])} "
           f"safetensors file(s)" + (f" and {Path(done['index']).name}" if done["index"] else "")

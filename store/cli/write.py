@@ -147,8 +147,8 @@ def cmd_export(args: argparse.Namespace) -> int:
                           f"(agreeing with --format), got {' '.join(args.paths)}")
     args.src, args.file = args.paths[-2:]
     fmt = args.format or {".npz": "npz", ".pt": "torch", ".pth": "torch"}.get(Path(args.file).suffix, "safetensors")
-    if args.prefix and fmt != "torch":
-        args.parser.error("--prefix applies to --format torch only")
+    if args.prefix and fmt not in ("torch", "safetensors"):
+        args.parser.error("--prefix applies to --format torch and to safetensors folders only")
     if args.max_shard_size is not None and fmt != "safetensors":
         args.parser.error("--max-shard-size applies to --format safetensors only")
     if fmt == "mindspore" and not args.strategy:

@@ -203,7 +203,8 @@ def merge_manifests(url: str, manifests: dict[int, dict[str, Any]], *,
                         raise DTypeMismatchError(f"{url}: {text}")
                     conflicts.append(text)
                 elif t0 != t:
-                    text = f"ranks {other} and {rank} disagree on the layout of {name!r}"
+                    text = f"ranks {other} and {rank} disagree on the layout of {name!r}: " + _difference(other, t0,
+                                                                                                       rank, t)
                     if conflicts is None:
                         raise FormatError(f"{url}: {text}")
                     conflicts.append(text)
@@ -220,6 +221,23 @@ def merge_manifests(url: str, manifests: dict[int, dict[str, Any]], *,
                                     compressor=t["compressor"], origin=layout.origin, edges=grid.edges)
     check_names(metas, {n: m.path for n, m in metas.items()}, url)
     return metas, leaves
+
+
+def _difference(a: int, record_a: dict[str, Any], b: int, record_b: dict[str, Any]) -> str:
+    """What two ranks' records of one tensor differ in: both layouts, or the other fields."""
+    def shown(record: dict[str, Any]) -> str:
+        try:
+            layout = Layout.from_json(record["layout"])
+        except Exception:
+            return repr(record.get("layout"))[:200]
+        placed = (layout.origin or {}).get("placements")
+        return f"{layout!r}" + (f" from placements {placed}" if placed else "")
+
+    if record_a.get("layout") != record_b.get("layout"):
+        return f"rank {a} has {shown(record_a)}, rank {b} has {shown(record_b)}"
+    keys = sorted(k for k in set(record_a) | set(record_b) if record_a.get(k) != record_b.get(k))
+    return "same layout, but " + ", ".join(f"{k} {record_a.get(k)!r} on rank {a}, {record_b.get(k)!r} on rank {b}"
+                                           for k in keys)[:600]
 
 
 def _grid_of(url: str, name: str, layout: Layout, shard: Any, edges: Any) -> Grid:

@@ -328,12 +328,27 @@ class Committer:
                 why = "the manager was closed" if self.stop.is_set() else f"after {self.timeout:.0f} s"
                 raise UncommittedCheckpointError(
                     describe_missing(self.root.child(step_dir(step)).url, pending, got)
-                    + f" (gave up {why}; step {step} is abandoned)")
+                    + f" (gave up {why}; step {step} is abandoned)" + self._refusals(step, pending))
             waits += 1
             self.stop.wait(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, self.poll_max)
         self.last_poll = (gets, waits)
         return got
+
+    def _refusals(self, step: int, missing: list[int]) -> str:
+        """Why missing ranks wrote nothing, as they said (:meth:`CheckpointManager.refuse`); failures only: one GET
+        per missing rank, at most 8."""
+        said = []
+        for rank in missing[:8]:
+            try:
+                raw = self.root.read_if_exists(refusal_key(step, rank))
+                note = json.loads(raw) if raw is not None else None
+            except Exception:
+                continue
+            job = note.get("job") if isinstance(note, dict) else None
+            if isinstance(note, dict) and (job is None or self.fence is None or job == self.fence.token):
+                said.append(f"rank {rank} refused to save: {note.get('reason')}")
+        return "; " + "; ".join(said) if said else ""
 
     def _check_token(self, step: int, rank: int, doc: dict[str, Any]) -> None:
         """Refuse a manifest written by another job than this one (its fencing token says).
@@ -399,6 +414,11 @@ class Committer:
             write_index(self.root, self._index)
         except Exception:  # the original failure is what the caller raises (superseded: explained by the manager)
             pass
+
+
+def refusal_key(step: int, rank: int) -> str:
+    """Where a rank says why it writes nothing of ``step`` (beside the step's pins)."""
+    return f"{step_dir(step)}/.reshard/refused/{int(rank)}.json"
 
 
 def all_layout_ranks(layouts: LayoutSpec, shapes: Mapping[str, tuple[int, ...]] | None) -> list[int]:

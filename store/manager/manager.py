@@ -38,7 +38,7 @@ from ..io.storage import Storage
 from ..read.checkpoint import Checkpoint
 from ..read.open import open as open_checkpoint
 from ..write.writer import CheckpointWriter
-from .committer import JOB_LEASE, Committer, all_layout_ranks, process_ranks
+from .committer import JOB_LEASE, Committer, all_layout_ranks, process_ranks, refusal_key
 from .index import StepRecord, committed_steps, metrics_of, read_index, step_dir
 from .retention import Retention, pin
 from .staging import StagingPool, as_host, host_dtype
@@ -251,6 +251,24 @@ class CheckpointManager:
                 self._commits.submit(_settle, commit, self._commit, step, written, metrics)
             except RuntimeError as e:  # the manager was closed under us
                 commit.set_exception(e)
+
+    def refuse(self, step: int, rank: int, reason: str) -> None:
+        """Say that ``rank`` writes nothing of ``step`` (its save was refused before anything was written).
+
+        The reason goes to ``step-<N>/.reshard/refused/<rank>.json`` (one small PUT): a committer that gives
+        the step up names it beside the missing rank. The committer's own rank records the failure in the
+        index (after the commits queued before it), so that the other ranks' ``wait(committed=True)`` raise it
+        without waiting for the commit timeout.
+        """
+        fence = self.committer.fence
+        note = {"rank": int(rank), "step": int(step), "reason": reason, "time": time.time(),
+                "job": None if fence is None else fence.token}
+        try:
+            self.root.write_atomic(refusal_key(step, rank), json.dumps(note).encode())
+            if rank == self.committer_rank and self._ready:  # in the commit thread: it alone writes the index
+                self._commits.submit(self.committer.record_failure, step, f"rank {rank} refused to save: {reason}")
+        except Exception:  # the refusal itself is what the caller raises; the note only helps the message
+            pass
 
     def _replicas(self, rank: int, tensors: dict[str, Any]) -> dict[str, np.ndarray]:
         """Zero-stride stand-ins for the pieces ``rank`` holds as a replica and writes nothing of."""
@@ -474,6 +492,28 @@ class CheckpointManager:
                                    "one)") from e
         return self.latest_step()
 
+    def settle(self, step: int) -> None:
+        """Before reading ``step`` by number: if this process saved it and it is not committed yet, wait for this
+        process's commits (at most the commit timeout), so that a load right after the save reads it rather
+        than finding it "never committed". A step this process did not save, or a committed one: one GET at most.
+
+        Raises
+        ------
+        UncommittedCheckpointError
+            If the committer gave a step of this process up.
+        TimeoutError
+            Naming the step still committing when the commit timeout passes first.
+        """
+        with self._lock:
+            mine = max(self._last.values(), default=None)
+        if mine is None or step > mine or step in self.steps():
+            return
+        try:
+            self.wait(committed=True, timeout=self.committer.timeout)
+        except TimeoutError as e:
+            raise TimeoutError(f"{self.url}: step {step}, saved by this process, is still committing after "
+                               f"{self.committer.timeout:.0f} s") from e
+
     def metrics(self, step: int) -> dict[str, float]:
         """The metrics recorded with a committed step."""
         record = next((r for r in committed_steps(self.root) if r.step == step), None)
@@ -487,6 +527,8 @@ class CheckpointManager:
             step = self.restorable_step()
             if step is None:
                 raise CheckpointNotFoundError(f"{self.url}: no committed step")
+        else:
+            self.settle(step)
         options.setdefault("storage_options", self.storage_options)
         return open_checkpoint(f"{self.url}/{step_dir(step)}", **options)
 

@@ -36,7 +36,7 @@ import json
 import math
 import os
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -149,7 +149,7 @@ def export(ckpt: Checkpoint, path: str, format: str = "safetensors", names: Iter
            progress: bool | None = None, *, scheduler: Any = None, budget: int = graph.DEFAULT_BUDGET,
            fusion: int | str | None = None, fuse_bytes: int = graph.DEFAULT_FUSE_BYTES, gap: int | None = None,
            metadata: dict[str, str] | None = None, storage_options: dict[str, Any] | None = None,
-           overwrite: bool = False) -> IOStats:
+           overwrite: bool = False, rename: Mapping[str, str] | None = None) -> IOStats:
     """Stream tensors of a checkpoint into one safetensors or npz file.
 
     Parameters
@@ -180,6 +180,9 @@ def export(ckpt: Checkpoint, path: str, format: str = "safetensors", names: Iter
     overwrite : bool
         Replace ``path`` if it exists (else :class:`~reshard.layouts.errors.CheckpointExistsError`); a
         local file is replaced whole, never left half-written (:mod:`reshard.store.io.replace`).
+    rename : mapping, optional
+        safetensors only: ``{stored name: name in the file}`` (e.g. without a
+        ``"model."`` prefix, for ``from_pretrained``); names not in it are kept.
 
     Returns
     -------
@@ -192,8 +195,10 @@ def export(ckpt: Checkpoint, path: str, format: str = "safetensors", names: Iter
     metas = [ckpt.tensor(n) for n in (sorted(ckpt.arrays) if names is None else names)]
     cap = graph.fusion_cap(fusion)
     ref = graph.BudgetRef.new(budget)
+    if rename and format != "safetensors":
+        raise ValueError(f"rename= is for safetensors exports, not {format!r}")
     if format == "safetensors":
-        header, offsets = safetensors_header(metas, ckpt.leaves, metadata)
+        header, offsets = safetensors_header(metas, ckpt.leaves, metadata, rename)
     else:
         header, offsets = b"", [0] * len(metas)
     per_task = min(fuse_bytes, ref.limit)
@@ -225,8 +230,8 @@ def _flat_offset(meta: ArrayMeta, region: Region) -> int:
     return int(start) * meta.np_dtype.itemsize
 
 
-def safetensors_header(metas: list[ArrayMeta], leaves: dict[str, Any],
-                       metadata: dict[str, str] | None = None) -> tuple[bytes, list[int]]:
+def safetensors_header(metas: list[ArrayMeta], leaves: dict[str, Any], metadata: dict[str, str] | None = None,
+                       rename: Mapping[str, str] | None = None) -> tuple[bytes, list[int]]:
     """The header bytes (length prefix included) and each tensor's absolute file offset.
 
     ``__metadata__``: the imported one (leaf ``"__metadata__"``), ``"format": "pt"``,
@@ -243,9 +248,12 @@ def safetensors_header(metas: list[ArrayMeta], leaves: dict[str, Any],
     doc: dict[str, Any] = {"__metadata__": extra}
     pos, starts = 0, []
     for m in metas:
-        if m.name == "__metadata__":
+        name = rename.get(m.name, m.name) if rename else m.name
+        if name == "__metadata__":
             raise BadNameError("a tensor named '__metadata__' cannot be stored in safetensors")
-        doc[m.name] = {"dtype": SAFETENSORS_DTYPES[m.dtype], "shape": list(m.shape),
+        if name in doc:
+            raise BadNameError(f"two tensors would be named {name!r} in the safetensors file")
+        doc[name] = {"dtype": SAFETENSORS_DTYPES[m.dtype], "shape": list(m.shape),
                        "data_offsets": [pos, pos + m.nbytes]}
         starts.append(pos)
         pos += m.nbytes

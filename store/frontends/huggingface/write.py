@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from reshard.layouts.errors import BadNameError
+from reshard.layouts.errors import BadNameError, TensorNotFoundError
 
 from ...io.replace import replacing
 from ...read.checkpoint import Checkpoint
@@ -60,7 +60,7 @@ def plan_shards(sizes: Iterable[tuple[str, int]], max_bytes: int) -> list[list[s
 def export_safetensors(src: str | Checkpoint, folder: str | os.PathLike[str], *,
                        max_shard_size: int | str = DEFAULT_SHARD_SIZE, names: Iterable[str] | None = None,
                        metadata: Mapping[str, str] | None = None, storage_options: Mapping[str, Any] | None = None,
-                       overwrite: bool = False, **options: Any) -> dict[str, Any]:
+                       overwrite: bool = False, prefix: str = "", **options: Any) -> dict[str, Any]:
     """Write a checkpoint as Hugging Face safetensors: one file, or shards and their index.
 
     Parameters
@@ -88,6 +88,10 @@ def export_safetensors(src: str | Checkpoint, folder: str | os.PathLike[str], *,
         fsspec options of ``src``.
     overwrite : bool
         Replace a folder that is not empty (else ``CheckpointExistsError``); an empty one is always replaced.
+    prefix : str
+        Export only the tensors whose names start with ``prefix``, named without it: ``"model."`` takes
+        the model of a training checkpoint saved as ``{"model": ..., "optim": ...}`` and gives the names
+        ``from_pretrained`` expects.
     **options
         As for :func:`reshard.store.read.export.export` (``budget``, ``scheduler``...).
 
@@ -100,6 +104,11 @@ def export_safetensors(src: str | Checkpoint, folder: str | os.PathLike[str], *,
     opts = dict(storage_options) if storage_options is not None else None
     ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(str(src), storage_options=opts)
     chosen = list(names) if names is not None else sorted(ckpt.arrays)
+    if prefix:
+        chosen = [n for n in chosen if n.startswith(prefix)]
+        if not chosen:
+            raise TensorNotFoundError(f"{ckpt.url} holds no tensor under {prefix!r}")
+    rename = {n: n[len(prefix):] for n in chosen} if prefix else None
     for name in chosen:
         if name == "__metadata__":
             raise BadNameError("a tensor named '__metadata__' cannot be stored in safetensors")
@@ -113,10 +122,10 @@ def export_safetensors(src: str | Checkpoint, folder: str | os.PathLike[str], *,
         for k, part in enumerate(shards, 1):
             file = SINGLE_NAME if len(shards) == 1 else SHARD_NAME.format(k=k, n=len(shards))
             stats = ckpt.export(os.path.join(fresh, file), format="safetensors", names=part, metadata=metadata,
-                                **options)
+                                rename=rename, **options)
             total = stats if total is None else _add(total, stats)
             files.append(os.path.join(out, file))
-            weight_map.update(dict.fromkeys(part, file))
+            weight_map.update(dict.fromkeys((n[len(prefix):] for n in part), file))
         total_size = sum(ckpt.arrays[n].nbytes for n in chosen)
         index = None
         if len(shards) > 1:

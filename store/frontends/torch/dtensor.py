@@ -13,8 +13,6 @@ torch is imported inside the functions, never when ``reshard.store`` loads.
 
 from __future__ import annotations
 
-import functools
-import math
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -30,101 +28,12 @@ from ...io.replace import replacing
 from ...io.stats import IOStats
 from ...read.open import open
 from ...write.writer import create
-
-
-def _is_tensor(value: Any) -> bool:
-    import torch
-
-    return isinstance(value, torch.Tensor)
-
-
-def _is_dtensor(value: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(value, DTensor)
+from .mapping import _is_dtensor, _is_tensor, layout_of, state_layouts
 
 
 def _local(value: Any) -> Any:
     """The tensor this rank holds (a DTensor's local shard), detached, sharing memory."""
     return value.to_local().detach() if _is_dtensor(value) else value.detach()
-
-
-def _placement(p: Any) -> str:
-    """A placement as :meth:`Layout.from_dtensor` reads it (``_S(d, k)`` for FSDP2's strided shard)."""
-    if type(p).__name__ == "_StridedShard":
-        return f"_S({p.dim}, {int(p.split_factor)})"
-    if p.is_shard():
-        return f"S({p.dim})"
-    if p.is_replicate():
-        return "R"
-    return str(p)  # Partial: the adapter names it and refuses
-
-
-def layout_of(value: Any, ranks: list[int], *, widen: bool = False) -> Layout:
-    """The layout of one state-dict tensor.
-
-    A DTensor gives ``Layout.from_dtensor`` over its mesh's global ranks
-    (FSDP2 + TP strided shards become a nested split, TP first); a plain
-    tensor is replicated over ``ranks`` (its replica 0 writes it). With
-    ``widen``, a DTensor on a submesh spans the root mesh, the sibling
-    submeshes as replicas: only right when the siblings hold the same
-    tensor, which :func:`save` checks across ranks before using it (pipeline
-    stages' submeshes hold different ones).
-
-    Raises
-    ------
-    UnsupportedError
-        A strided placement reshard cannot represent exactly.
-    """
-    shape = tuple(value.shape)
-    if _is_dtensor(value):
-        mesh = value.device_mesh
-        mesh_shape, replicas, mesh_ranks = _spanned(mesh) if widen else _own(mesh)
-        placements = ["R"] * replicas + [_placement(p) for p in value.placements]
-        return Layout.from_dtensor(mesh_shape, placements, shape, ranks=mesh_ranks)
-    return Layout(shape, (len(ranks),), tuple(ranks))
-
-
-def _own(mesh: Any) -> tuple[tuple[int, ...], int, tuple[int, ...]]:
-    return tuple(mesh.mesh.shape), 0, tuple(mesh.mesh.flatten().tolist())
-
-
-@functools.lru_cache(maxsize=64)
-def _spanned(mesh: Any) -> tuple[tuple[int, ...], int, tuple[int, ...]]:
-    """``(mesh shape, leading replica axes, ranks)`` of a DTensor's mesh, widened to its root mesh.
-
-    A submesh (``mesh["dp"]`` of a (dp, tp) mesh) holds one copy of a tensor
-    that its sibling submeshes hold too: e.g. an FSDP-only parameter beside
-    tensor-parallel ones. Every rank must describe it alike, so the layout
-    spans the root mesh, the other root axes replicating (one leading axis
-    of their product). A submesh that is not a plain slice of its root (a
-    flattened one) keeps its own ranks.
-    """
-    sub = np.asarray(mesh.mesh.tolist(), dtype=np.int64).reshape(tuple(mesh.mesh.shape))
-    own = _own(mesh)
-    root_mesh = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
-    root = np.asarray(root_mesh.mesh.tolist(), dtype=np.int64).reshape(tuple(root_mesh.mesh.shape))
-    if root.shape == sub.shape:
-        return own
-    where = {int(r): idx for idx, r in np.ndenumerate(root)}
-    if any(int(r) not in where for r in sub.flat):
-        return own
-    origin = where[int(sub.flat[0])]
-    axes: list[int] = []
-    for i, n in enumerate(sub.shape):
-        if n == 1:
-            continue
-        step = where[int(sub[tuple(1 if j == i else 0 for j in range(sub.ndim))])]
-        moved = [d for d in range(root.ndim) if step[d] != origin[d]]
-        if len(moved) != 1 or root.shape[moved[0]] != n or step[moved[0]] - origin[moved[0]] != 1:
-            return own
-        axes.append(moved[0])
-    others = [d for d in range(root.ndim) if d not in axes]
-    copies = math.prod(root.shape[d] for d in others)
-    spanned = root.transpose(others + axes).reshape(copies, *sub.shape)
-    if not any(np.array_equal(block, sub) for block in spanned):
-        return own
-    return (copies, *sub.shape), 1, tuple(spanned.flatten().tolist())
 
 
 # --------------------------------------------------------------- state dicts
@@ -189,40 +98,14 @@ def _agree(error: str | None, process_group: Any, ranks: list[int]) -> None:
         raise RuntimeError("reshard save failed; " + "; ".join(failed))
 
 
-def _gather(names: list[str], process_group: Any, ranks: list[int]) -> list[set[str]]:
-    """Every group rank's ``names``, in group rank order (just ours without torch.distributed)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return [set(names)]
-    out: list[Any] = [None] * len(ranks)
-    dist.all_gather_object(out, names, group=process_group)
-    return [set(n) for n in out]
-
-
-def _narrow(layouts: dict[str, Layout], values: dict[str, Any], widened: list[str], held: list[set[str]],
-            ranks: list[int]) -> None:
-    """Keep a submesh DTensor on its own mesh unless every rank of its widened layout holds that name.
-
-    Sibling submeshes of FSDP + TP hold the same parameter (one of them
-    writes it); pipeline stages' submeshes hold different ones, and a widened
-    layout would name a writer that lacks the tensor.
-    """
-    holders: dict[str, set[int]] = {}
-    for r, names in zip(ranks, held, strict=True):
-        for n in names:
-            holders.setdefault(n, set()).add(r)
-    for name in widened:
-        if not set(layouts[name].ranks) <= holders.get(name, set()):
-            layouts[name] = layout_of(values[name], ranks, widen=False)
-
-
 # --------------------------------------------------------------- save/load
 def save(state_dict: Mapping[str, Any], url: str, *, process_group: Any = None, **options: Any) -> None:
     """Save a (DTensor) state dict; call on every rank of the group.
 
-    The ranks first exchange the names of their submesh DTensors (one
-    ``all_gather_object``, see :func:`layout_of`); each rank then writes the
+    The ranks first agree on the layouts (:func:`.mapping.state_layouts`: the
+    names of their submesh DTensors, see :func:`layout_of`, and a digest of
+    every layout; ranks that disagree raise on every rank, naming the tensor
+    and both layouts, before anything is written); each rank then writes the
     blocks it holds as replica 0 (no communication), the ranks meet once,
     the group's first rank commits, and they meet again, so the checkpoint
     is committed when this returns on any rank.
@@ -241,31 +124,18 @@ def save(state_dict: Mapping[str, Any], url: str, *, process_group: Any = None, 
         ``chunk_bytes``, ``storage_options``...).
     """
     rank, ranks = _group(process_group)
-    layouts: dict[str, Layout] = {}
+    values = {name: value for name, _, _, value in _walk(state_dict)}
+    layouts = state_layouts(values, process_group, rank, ranks)  # the same on every rank, or raised on every rank
     local: dict[str, Any] = {}
-    values: dict[str, Any] = {}
-    widened: list[str] = []
     error = None
     try:
-        for name, _, _, value in _walk(state_dict):
-            values[name] = value
-            if _is_tensor(value):
-                layouts[name] = layout_of(value, ranks, widen=True)
-                if _is_dtensor(value) and _spanned(value.device_mesh)[1]:
-                    widened.append(name)
-    except Exception as e:  # shared with the other ranks below, then raised everywhere
-        error = f"{type(e).__name__}: {e}"
-    held = _gather(widened, process_group, ranks)
-    try:
-        if error is None:
-            _narrow(layouts, values, widened, held, ranks)
-            for name, value in values.items():
-                if not _is_tensor(value):
-                    local[name] = to_json(value, name)
-                elif rank in layouts[name].ranks:
-                    local[name] = to_numpy(_local(value))
-            writer = create(url, layouts, **options)
-            writer.write(rank, local)
+        for name, value in values.items():
+            if not _is_tensor(value):
+                local[name] = to_json(value, name)
+            elif rank in layouts[name].ranks:
+                local[name] = to_numpy(_local(value))
+        writer = create(url, layouts, **options)
+        writer.write(rank, local)
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
     _agree(error, process_group, ranks)
