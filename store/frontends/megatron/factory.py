@@ -104,13 +104,16 @@ def split_pieces(part: Part, pieces: tuple[BucketPiece, ...]) -> list[Cut]:
 
 def no_match_reason(main: np.ndarray, start: int, index: dict[tuple[str, int], Any],
                     cast: Callable[[np.ndarray, str], Any]) -> str:
-    """Why the fp32 main parameter at ``start`` equals no saved weight (``index``: :func:`buckets._model_index`)."""
+    """Why the fp32 main parameter at ``start`` equals no saved weight (``index``: (dtype, length) -> digest ->
+    the blocks (joined) of that value, as :mod:`.buckets` builds it; ``cast(values, dtype)``: a torch tensor)."""
     if not index:
         return "the save holds no model weights (an optimizer-only save), which place the parameters"
-    prefixes = sorted({blk[0] for (dtype, n), table in index.items() if start + n <= len(main)
-                       for blk in table.get(digest(cast(main[start:start + n], dtype)), ())})
+    prefixes = sorted((n, part[0][0], part[0][1]) for (dtype, n), table in index.items() if start + n <= len(main)
+                      for part in table.get(digest(cast(main[start:start + n], dtype)), ()) if len(part) == 1)
     if prefixes:
-        return (f"its first elements equal a block of {prefixes[0]!r}, what follows no other block: the weight is "
-                "saved in several blocks per rank (a ShardedTensorFactory) in a way reshard does not join")
+        n, key, offsets = prefixes[0]
+        return (f"its first {n} elements equal the block at {list(offsets)} of {key!r}, what follows no other "
+                "block: the weight is saved in several blocks per rank (a ShardedTensorFactory) in a way reshard "
+                "does not join")
     return ("the saved weights are not the optimizer's main parameters cast to their dtype: FP8 parameters "
             "(saved dequantized), a save that skipped Megatron's parameter sync, or weights of another job")
