@@ -10,9 +10,9 @@ tensor is ``[gate of every rank; up of every rank]``, and a ``dp_reshardable``
 bucket's parameter is the concatenation of two blocks that are not adjacent.
 (With the ``singleton_local_shards`` save option the halves are two keys,
 ``<key>_w`` and ``<key>_v``, each split like any weight; such saves are not
-joined here.)
+joined here, and untested.)
 
-:func:`joined_index` lists every such pair of a save's blocks, with the digest
+:func:`joined_index` lists every such pair of a save's blocks (:func:`factory_pairs`), with the digest
 of their concatenation, so that a bucket parameter matches it as it matches a
 single block; :func:`split_pieces` cuts a parameter's stored pieces at the
 blocks' bound, so that each optimizer state lands in the global ``[gate; up]``
@@ -23,6 +23,7 @@ matches nothing.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -47,11 +48,18 @@ def digest(tensor: Any) -> bytes:
     return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes()).digest()
 
 
+#: The tensors Megatron-Core saves through ``apply_swiglu_sharded_factory``: a gated MLP's ``linear_fc1`` weight
+#: and bias (``MLP.sharded_state_dict``; an MoE expert's too, under its own prefix and index).
+FACTORY_KEYS = re.compile(r"(.+\.)?linear_fc1\.(weight|bias)\d*")
+
+
 def factory_pairs(md: Any) -> Iterator[Part]:
-    """The (gate, up) block pairs ``apply_swiglu_sharded_factory`` saves: blocks ``i`` and ``i + m`` of ``2m``
-    equal fragments along the first axis whose blocks are longer than 1, every other offset equal."""
+    """The (gate, up) block pairs ``apply_swiglu_sharded_factory`` saves: of a :data:`FACTORY_KEYS` tensor, blocks
+    ``i`` and ``i + m`` of ``2m`` equal fragments along the first axis whose blocks are longer than 1, every other
+    offset equal."""
     for fqn, item in md.state_dict_metadata.items():
-        if fqn.startswith("optimizer.") or not hasattr(item, "chunks") or len(item.chunks) < 2:
+        if (fqn.startswith("optimizer.") or not FACTORY_KEYS.fullmatch(fqn) or not hasattr(item, "chunks")
+                or len(item.chunks) < 2):
             continue
         blocks = [(tuple(int(x) for x in c.offsets), tuple(int(x) for x in c.sizes)) for c in item.chunks]
         sizes = {s for _, s in blocks}
