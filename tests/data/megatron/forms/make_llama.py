@@ -23,7 +23,9 @@ Commands (``python make_llama.py CMD ...``; run with megatron-core 0.16 and torc
 * ``save OUT --tp --pp --dp --form --bucket --steps``: one such save (``--bucket 0``: one bucket per buffer)
   and ``OUT.npz`` beside it;
 * ``load SAVE OUT.npz --tp --pp --dp [--train N --losses L.json]``: load a ``fully_reshardable`` save (reshard's
-  export) at that parallelism, write what Megatron then holds, and train N steps;
+  export) at that parallelism, write what Megatron then holds, and train N steps (with two shims for
+  Megatron-Core 0.16.1's torch-Adam load path: load_export.py's ``keep_step``, and :func:`unshare_step` unless
+  ``--shared-step``);
 * ``reference L.json --tp --pp --dp --steps --train``: the uninterrupted run: fresh job, ``--steps`` seeded
   steps, ``--train`` training steps, no checkpoint.
 """
