@@ -48,6 +48,7 @@ from reshard.layouts.megatron_buckets import BucketPiece, bucket_pieces, chunk_b
 
 from ...io.storage import Storage
 from ..torch.dcp import _dcp_item
+from .factory import Block, Part, digest, joined_index, no_match_reason, split_pieces
 
 BUCKET_KEY = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)"
                         r"\.([A-Za-z_][A-Za-z0-9_]*)")
@@ -58,8 +59,8 @@ BUCKET_OBJECTS = re.compile(r"optimizer\.distributed\.dp_group_idx_\d+\.per_buck
 PREFIXED_BUCKETS = re.compile(r"(.+)\.optimizer\.distributed\..+")
 MAIN_PARAM = "param"
 
-Block = tuple[str, tuple[int, ...], tuple[int, ...]]  # (model key, chunk offsets, chunk sizes)
 Placed = tuple[tuple[BucketPiece, ...], dict[str, str]]  # a parameter's pieces in a bucket; state -> bucket fqn
+Index = dict[tuple[str, int], dict[bytes, set[Part]]]  # (dtype, length) -> digest -> the blocks joined
 
 
 @dataclass
@@ -68,7 +69,8 @@ class BucketTensor:
 
     layout: FlatLayout
     dtype: str
-    sources: list[tuple[str, int, int]] = field(default_factory=list)  # (bucket fqn, chunk offset, length)
+    #: (bucket fqn, chunk offset, chunk length, start, stop): elements [start, stop) of that stored chunk
+    sources: list[tuple[str, int, int, int, int]] = field(default_factory=list)
 
 
 def is_bucket_key(fqn: str) -> bool:
@@ -85,10 +87,14 @@ def place_buckets(store: Storage, md: Any, where: dict[Any, Any]) -> dict[str, B
             buckets.setdefault((int(g), int(i), dt, int(b)), {})[state] = (fqn, item)
     if not buckets:
         return {}
-    index = _model_index(store, md, where)
+    index: Index = {k: {d: {(b,) for b in blocks} for d, blocks in table.items()}
+                    for k, table in _model_index(store, md, where).items()}
+    for k, table in joined_index(store, md, where).items():
+        for d, parts in table.items():
+            index.setdefault(k, {}).setdefault(d, set()).update(parts)
     unpadded = _unpadded_sizes(store, md, where)
-    found: dict[Block, Placed] = {}
-    ambiguous: list[tuple[frozenset[Block], Placed]] = []
+    found: dict[Part, Placed] = {}
+    ambiguous: list[tuple[frozenset[Part], Placed]] = []
     states: list[str] | None = None
     for key in sorted(buckets):
         entry = buckets[key]
@@ -131,9 +137,12 @@ def place_buckets(store: Storage, md: Any, where: dict[Any, Any]) -> dict[str, B
     return _tensors(md, found, states or [], store)
 
 
-def _walk(what: str, main: np.ndarray, bounds: set[int], index: dict[tuple[str, int], dict[bytes, set[Block]]]
-          ) -> tuple[list[tuple[int, int]], list[frozenset[Block]]]:
+def _walk(what: str, main: np.ndarray, bounds: set[int], index: Index
+          ) -> tuple[list[tuple[int, int]], list[frozenset[Part]]]:
     import torch
+
+    def cast(values: np.ndarray, dtype: str) -> Any:
+        return torch.from_numpy(values).to(getattr(torch, dtype))
 
     size = len(main)
     at, spans, picks = 0, [], []
@@ -142,18 +151,18 @@ def _walk(what: str, main: np.ndarray, bounds: set[int], index: dict[tuple[str, 
         if start >= size or start not in bounds:
             raise FormatError(f"{what}: no parameter can start at element {start} (the bucket holds {size}; "
                               "parameters start 64-aligned on a stored chunk bound)")
-        hits: dict[int, set[Block]] = {}
+        hits: dict[int, set[Part]] = {}
         for (dtype, n), table in index.items():
             if start + n in bounds:
-                cast = torch.from_numpy(main[start:start + n]).to(getattr(torch, dtype))
-                got = table.get(_digest(cast))
+                got = table.get(_digest(cast(main[start:start + n], dtype)))
                 if got:
                     hits.setdefault(n, set()).update(got)
         if not hits:
             raise FormatError(f"{what}: the fp32 main parameter at element {start} equals no saved model weight "
-                              "(cast to its dtype), so its place cannot be proven: the checkpoint must hold the "
-                              "model weights in step with the optimizer (not FP8 parameters; Megatron syncs "
-                              "parameters before it saves)")
+                              "(cast to its dtype), so its place cannot be proven: "
+                              f"{no_match_reason(main, start, index, cast)}")
+        if len(hits) > 1:
+            hits = _joined_over_halves(hits)
         if len(hits) > 1:
             raise FormatError(f"{what}: the values at element {start} match saved weights of {sorted(hits)} elements: "
                               "the parameter's length is ambiguous")
@@ -164,10 +173,20 @@ def _walk(what: str, main: np.ndarray, bounds: set[int], index: dict[tuple[str, 
     return spans, picks
 
 
-def _settle(store: Storage, where: dict[Any, Any], found: dict[Block, Placed],
-            ambiguous: list[tuple[frozenset[Block], Placed]]) -> None:
+def _joined_over_halves(hits: dict[int, set[Part]]) -> dict[int, set[Part]]:
+    """A factory-saved weight whose first block also ends on a chunk bound matches both as itself and as that
+    block alone: the joined blocks are the parameter (Megatron saves a key in halves only through a factory)."""
+    longest = max(hits)
+    heads = {(part[0],) for part in hits[longest] if len(part) > 1}
+    if all(part in heads for n, parts in hits.items() if n != longest for part in parts):
+        return {longest: hits[longest]}
+    return hits
+
+
+def _settle(store: Storage, where: dict[Any, Any], found: dict[Part, Placed],
+            ambiguous: list[tuple[frozenset[Part], Placed]]) -> None:
     """Blocks of identical values: accepted when every state of the spans they match is identical too."""
-    groups: dict[frozenset[Block], list[Placed]] = {}
+    groups: dict[frozenset[Part], list[Placed]] = {}
     for blocks, placed in ambiguous:
         groups.setdefault(blocks, []).append(placed)
     for blocks, spans in groups.items():
@@ -176,16 +195,21 @@ def _settle(store: Storage, where: dict[Any, Any], found: dict[Block, Placed],
             digests.add(tuple(hashlib.sha256(b"".join(_read(store, where, fqns[s], off, b - a).tobytes()
                                                       for off, a, b in piece)).digest() for s in sorted(fqns)))
         if len(digests) > 1:
-            names = sorted(f"{k} at {list(o)}" for k, o, _ in blocks)
+            names = sorted(" + ".join(f"{k} at {list(o)}" for k, o, _ in part) for part in blocks)
             raise FormatError(f"parameters {names} hold identical values but different optimizer states: which "
                               "state belongs to which cannot be told from the checkpoint")
         for block in sorted(blocks):
             found.setdefault(block, spans[0])
 
 
-def _tensors(md: Any, found: dict[Block, Placed], states: list[str], store: Storage) -> dict[str, BucketTensor]:
+def _tensors(md: Any, found: dict[Part, Placed], states: list[str], store: Storage) -> dict[str, BucketTensor]:
+    # each block's cuts (chunk offset, chunk length, start, stop) in its flattening's order, and the bucket fqns
+    cuts: dict[Block, tuple[list[tuple[int, int, int, int, int]], dict[str, str]]] = {}
+    for part, (pieces, fqns) in found.items():
+        for chunk, n, lo, hi, block, at in split_pieces(part, pieces):
+            cuts.setdefault(block, ([], fqns))[0].append((chunk, n, lo, hi, at))
     by_key: dict[str, list[Block]] = {}
-    for block in found:
+    for block in cuts:
         by_key.setdefault(block[0], []).append(block)
     out: dict[str, BucketTensor] = {}
     for name, blocks in sorted(by_key.items()):
@@ -202,10 +226,10 @@ def _tensors(md: Any, found: dict[Block, Placed], states: list[str], store: Stor
             sources = []
             for block in sorted(blocks):
                 _, off, sizes = block
-                piece, fqns = found[block]
-                for chunk, a, b in piece:
-                    ranges.append((len(ranges), off, sizes, a, b, 0))
-                    sources.append((fqns[s], chunk, b - a))
+                held_cuts, fqns = cuts[block]
+                for chunk, n, lo, hi, at in held_cuts:
+                    ranges.append((len(ranges), off, sizes, at, at + hi - lo, 0))
+                    sources.append((fqns[s], chunk, n, lo, hi))
             lay = FlatLayout.from_ranges(shape, ranges, {"framework": "megatron", "form": "dp_reshardable"})
             dtype = str(md.state_dict_metadata[sources[0][0]].properties.dtype).removeprefix("torch.")
             out[f"optimizer.state.{s}.{name}"] = BucketTensor(lay, dtype, sources)
@@ -276,8 +300,4 @@ def _read(store: Storage, where: dict[Any, Any], fqn: str, off: int, n: int) -> 
     return np.asarray(to_numpy(tensor))
 
 
-def _digest(tensor: Any) -> bytes:
-    import torch
-
-    flat = tensor.detach().contiguous().reshape(-1)
-    return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes()).digest()
+_digest = digest

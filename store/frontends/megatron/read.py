@@ -227,7 +227,7 @@ def import_megatron(src: str, dst: str, *, skip: Sequence[str] = (), **options: 
         assert isinstance(lay, FlatLayout)
         if fqn in buckets:
             sources = buckets[fqn].sources
-            arrays = (_chunk(store, where, src, (off,), (n,), to_numpy) for src, off, n in sources)
+            arrays = (_chunk(store, where, src, (off,), (n,), to_numpy)[lo:hi] for src, off, n, lo, hi in sources)
         else:
             arrays = (_chunk(store, where, fqn, tuple(c.offsets), tuple(c.sizes), to_numpy)
                       for c in md.state_dict_metadata[fqn].chunks)
