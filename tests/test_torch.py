@@ -250,7 +250,7 @@ def test_dcp_single_process_with_bfloat16_and_leaves(tmp_path: Path) -> None:
     assert ckpt["w"].meta.dtype == "bfloat16"
     np.testing.assert_array_equal(ckpt.read("w"), rt.to_numpy(state["w"]))
     assert ckpt.read("s")[()] == np.float32(2.5)
-    assert ckpt.leaves == {"n": 7, "name": "run-1"}
+    assert ckpt.leaves == {"n": 7, "name": "run-1", "reshard.source": {"format": "DCP", "ranks": 1}}
 
 
 class _Boom:
