@@ -392,9 +392,9 @@ def test_zarr_imported_after_reshard_store_knows_reshards_dtypes():
 
 
 @pytest.mark.parametrize("source, shown", [
-    ({"format": "Megatron-Core torch_dist", "ranks": 4}, "imported from 4 ranks' Megatron-Core torch_dist save; "
-                                                           "its layouts number 8 saved pieces"),
-    ({"format": "DCP", "ranks": 8}, "imported from 8 ranks' DCP save"),
+    ({"format": "Megatron-Core torch_dist", "ranks": 4}, "imported from the files of 4 ranks of a Megatron-Core "
+                                                           "torch_dist save; its layouts number 8 saved pieces"),
+    ({"format": "DCP", "ranks": 8}, "imported from the files of 8 ranks of a DCP save"),
     ({"format": "DCP", "ranks": "8"}, "saved by 8 ranks"),  # the leaf is the file's, not trusted
     ({"ranks": True}, "saved by 8 ranks"),
     ("8 ranks", "saved by 8 ranks"),

@@ -27,6 +27,7 @@ from reshard.layouts.errors import FormatError, StorageError
 from reshard.layouts.megatron_buckets import PARAM_ALIGN, bucket_pieces, chunk_bounds, param_start
 from reshard.store.frontends.megatron import import_megatron
 from reshard.store.ops.redivide import local_part
+from reshard.store.read.display import saved_by
 
 DATA = Path(__file__).parent / "data" / "megatron" / "forms"
 STATES = ("param", "exp_avg", "exp_avg_sq")
@@ -64,6 +65,12 @@ def test_import_gives_each_parameters_state(tmp_path, form):
         lay = ckpt.tensor(name).layout
         assert lay.shape == want[name].shape and ckpt.tensor(name).dtype == "float32"
         assert isinstance(lay, FlatLayout) == (form == "dp_reshardable"), name
+    # the ranks that wrote data (__<rank>_<n>.distcp), not the flat pieces the layouts number: in the TP=2 x DP=2
+    # job all 4 wrote dp_reshardable buckets; fully_reshardable state is gathered, and the second DP group's ranks
+    # (their weights replicas of the first's) wrote nothing
+    writers = 4 if form == "dp_reshardable" else 2
+    assert ckpt.leaves["reshard.source"] == {"format": "Megatron-Core torch_dist", "ranks": writers}
+    assert saved_by(ckpt).startswith(f"imported from the files of {writers} ranks of a Megatron-Core torch_dist save")
 
 
 def test_dp_reshardable_ranges_are_megatrons_pieces(tmp_path):

@@ -235,7 +235,7 @@ def test_import_dcp_keeps_chunks_and_values(saved: Path, tmp_path: Path) -> None
     assert ckpt.leaves["reshard.source"] == {"format": "DCP", "ranks": 4}
     from reshard.store.read.display import saved_by
 
-    assert saved_by(ckpt) == "imported from 4 ranks' DCP save"
+    assert saved_by(ckpt) == "imported from the files of 4 ranks of a DCP save"
 
 
 def test_dcp_single_process_with_bfloat16_and_leaves(tmp_path: Path) -> None:

@@ -101,7 +101,7 @@ def to_json(value: Any, name: str) -> Any:
 #: The leaf where an import records what it left out, undecoded (``[{"name", "what", "why"}, ...]``; see
 #: :class:`reshard.store.frontends.sources.Skips`); ``reshard inspect`` shows it.
 SKIPPED_LEAF = "reshard.skipped"
-#: The leaf where an import records the save it read: ``{"format": "DCP", "ranks": <the job's ranks>}``.
+#: The leaf where an import records the save it read: ``{"format": "DCP", "ranks": <ranks that wrote its data>}``.
 #: The layouts of an import number the saved pieces (a rank may have saved several, e.g. flat optimizer
 #: ranges), so ``reshard inspect`` shows the job's ranks from here (:func:`reshard.store.read.display.saved_by`).
 SOURCE_LEAF = "reshard.source"

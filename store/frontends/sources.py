@@ -111,10 +111,11 @@ _DCP_FILE = re.compile(r"__(\d+)_\d+\.distcp")
 
 
 def dcp_source(fmt: str, files: Iterable[str]) -> dict[str, Any]:
-    """The leaf :data:`~reshard.store.format.tree.SOURCE_LEAF` of a DCP-style save: its ranks, from its file names.
+    """The leaf :data:`~reshard.store.format.tree.SOURCE_LEAF` of a DCP-style save: the ranks that wrote its files.
 
-    Rank ``r`` writes ``__<r>_<n>.distcp``, so the job had ``max(r) + 1`` ranks (ranks whose pieces
-    were all deduplicated away still write their file). ``{}`` when no file is named that way.
+    Rank ``r`` writes ``__<r>_<n>.distcp``. A rank with nothing to write (its pieces all replicas
+    that another rank saved) writes no file, so this counts the ranks that wrote data, at most the
+    job's. ``{}`` when no file is named that way.
     """
-    ranks = [int(m.group(1)) for f in files if (m := _DCP_FILE.fullmatch(os.path.basename(str(f))))]
-    return {SOURCE_LEAF: {"format": fmt, "ranks": max(ranks) + 1}} if ranks else {}
+    ranks = {int(m.group(1)) for f in files if (m := _DCP_FILE.fullmatch(os.path.basename(str(f))))}
+    return {SOURCE_LEAF: {"format": fmt, "ranks": len(ranks)}} if ranks else {}

@@ -168,7 +168,7 @@ def _row(cells: list[str], num: tuple[int, ...] = ()) -> str:
 
 
 def saved_by(ckpt: Checkpoint) -> str:
-    """Who saved ``ckpt``: "saved by N ranks", or for an import the job's ranks as the import recorded them.
+    """Who saved ``ckpt``: "saved by N ranks", or for an import the ranks that wrote the files it read.
 
     An import's layouts number the pieces the framework saved, which may outnumber its ranks (a
     Megatron rank saves a flat range of each parameter's state, and a SwiGLU weight as two blocks);
@@ -184,7 +184,7 @@ def saved_by(ckpt: Checkpoint) -> str:
     ranks = source.get("ranks")
     if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:  # untrusted: a leaf of the file
         return f"saved by {pieces} ranks"
-    text = f"imported from {ranks} ranks' {str(source.get('format', 'framework'))[:40]} save"
+    text = f"imported from the files of {ranks} ranks of a {str(source.get('format', 'framework'))[:40]} save"
     return text if pieces == ranks else f"{text}; its layouts number {pieces} saved pieces"
 
 

@@ -48,7 +48,7 @@ from reshard.layouts.errors import CheckpointNotFoundError, FormatError, LayoutE
 from ...format.tree import to_json
 from ...io.storage import Storage
 from ...write.writer import create, single_process
-from ..sources import Skips, refuse_empty, source_path
+from ..sources import Skips, dcp_source, refuse_empty, source_path
 from ..torch.dcp import _dcp_item, _DCPMetadataUnpickler, _regroup, read_dcp_metadata
 from ..torch.pt_files import load_pt, plain, stub_class
 from .buckets import BUCKET_OBJECTS, PREFIXED_BUCKETS, is_bucket_key, place_buckets
@@ -211,6 +211,7 @@ def import_megatron(src: str, dst: str, *, skip: Sequence[str] = (), **options: 
     refuse_empty("Megatron torch_dist", folder, len(layouts), f" (found {len(items)} other items)")
     skips.check()
     leaves.update(skips.leaves())
+    leaves.update(dcp_source("Megatron-Core torch_dist", (getattr(i, "relative_path", "") for i in where.values())))
     writer = create(dst, layouts, **single_process(options))
     metas = {}
     total = 0
