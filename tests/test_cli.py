@@ -406,3 +406,16 @@ def test_inspect_shows_the_job_ranks_an_import_recorded(tmp_path, source, shown,
     rs.save({**state, "reshard": {"source": source}}, url, layouts)
     assert run("inspect", url) == 0
     assert capsys.readouterr().out.splitlines()[0].endswith(f"(committed, {shown})")
+
+
+def test_a_redivision_drops_the_import_record_a_conversion_keeps(tmp_path, capsys):
+    state = demo.model_state(1, quick=True)
+    url = str(tmp_path / "ck")
+    rs.save({**state, "reshard": {"source": {"format": "DCP", "ranks": 4}}}, url, demo.training_layouts(state))
+    assert run("convert", url, str(tmp_path / "dir"), "--form", "directory", "-q") == 0
+    assert run("redivide", url, str(tmp_path / "tp2"), "--tp", "2", "-q") == 0
+    capsys.readouterr()
+    kept = "imported from the files of 4 ranks of a DCP save; its layouts number 8 saved pieces"
+    for dst, shown in (("dir", kept), ("tp2", "saved by 2 ranks")):
+        assert run("inspect", str(tmp_path / dst)) == 0
+        assert capsys.readouterr().out.splitlines()[0].endswith(f"(committed, {shown})"), dst

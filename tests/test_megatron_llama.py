@@ -24,6 +24,7 @@ import pytest
 import reshard.store as rs
 from reshard.layouts import FlatLayout
 from reshard.layouts.errors import FormatError
+from reshard.store.cli import main
 from reshard.store.frontends.megatron import export_megatron, import_megatron
 from test_megatron_forms import MC_PYTHON, _has_megatron, _same, dp_targets, reference
 
@@ -156,20 +157,31 @@ def _megatron(*args: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory) -> Path:
-    """The dp_reshardable sample (TP=2 x PP=2 x DP=2), imported and exported by reshard."""
+def imported(tmp_path_factory) -> Path:
+    """The dp_reshardable sample (TP=2 x PP=2 x DP=2), imported by the command line."""
     root = tmp_path_factory.mktemp("llama")
-    import_megatron(str(llama("dp_reshardable")), str(root / "rs"))
-    export_megatron(str(root / "rs"), str(root / "mc"))
-    return root / "mc"
+    assert main(["import", "megatron", str(llama("dp_reshardable")), str(root / "rs")]) == 0
+    return root / "rs"
+
+
+@pytest.fixture(scope="module")
+def exported(imported) -> Path:
+    """The import, exported by reshard."""
+    export_megatron(str(imported), str(imported.parent / "mc"))
+    return imported.parent / "mc"
 
 
 @needs_megatron
 @pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2)])
-def test_megatron_loads_the_llama_export_and_trains_on_as_if_never_stopped(tmp_path, exported, tp, pp):
-    """Saved at TP=2 x PP=2 x DP=2 -> import -> export -> Megatron-Core loads it at TP x PP: it holds, per
-    parameter, exactly what the saving job held; two training steps from there give bitwise the losses of a
-    Megatron job at TP x PP that ran the same two seeded optimizer steps and trained on without a checkpoint."""
+def test_megatron_loads_the_llama_export_and_trains_on_as_if_never_stopped(tmp_path, imported, tp, pp):
+    """Saved at TP=2 x PP=2 x DP=2 -> import -> redivide to TP x PP by Megatron's names (one command) -> export ->
+    Megatron-Core loads it at TP x PP: it holds, per parameter, exactly what the saving job held; two training steps
+    from there give bitwise the losses of a Megatron job at TP x PP that ran the same two seeded optimizer steps and
+    trained on without a checkpoint."""
+    redivided, exported = tmp_path / "redivided", tmp_path / "mc"
+    assert main(["redivide", str(imported), str(redivided), "--preset", "megatron", "--tp", str(tp), "--pp", str(pp),
+                 "--heads", "4", "--kv-heads", "2"]) == 0
+    assert main(["export", "megatron", str(redivided), str(exported)]) == 0
     _megatron("load", str(exported), str(tmp_path / "held.npz"), "--tp", str(tp), "--pp", str(pp), "--train", "2",
               "--losses", str(tmp_path / "resumed.json"))
     with np.load(tmp_path / "held.npz", allow_pickle=False) as held, \

@@ -20,7 +20,7 @@ from reshard.layouts import FlatLayout, Layout
 from ..format.encode import encode_shard
 from ..format.meta import ArrayMeta
 from ..format.refs import DEFAULT_OBJECT_BYTES, PACKED_DIR, check_form
-from ..format.tree import LayoutSpec, flatten, resolve_layout
+from ..format.tree import SOURCE_LEAF, LayoutSpec, flatten, resolve_layout
 from ..io import packed, pool
 from ..io.gcpause import gc_paused
 from ..io.stats import IOStats
@@ -186,7 +186,10 @@ def redivide(src: str | Checkpoint, dst: str, layouts: LayoutSpec, *, scheduler:
         graph.release(ref)
     stats = graph.total([p[0] for p in parts], len(dsk))
     ckpt.storage.count(**{k: v for k, v in stats.as_dict().items() if k not in ("writes", "bytes_written")})
-    writer.write_manifests(metas, ckpt.leaves, {k: v for p in parts for k, v in p[1].items()})
+    # the import's record of who saved it no longer describes layouts that changed (read.display.saved_by)
+    same = all(targets[n] == m.layout for n, m in ckpt.arrays.items())
+    leaves = {k: v for k, v in ckpt.leaves.items() if same or not k.startswith(SOURCE_LEAF)}
+    writer.write_manifests(metas, leaves, {k: v for p in parts for k, v in p[1].items()})
     writer.commit()
     return stats
 
