@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from bench import data, tasks_dcp, tasks_reshard
-from bench.harness import Ctx, Measurement, Task, free_port, run_group
+from bench.harness import Ctx, Measurement, Task, free_port, reshard_store, run_group
 from bench.tasks_plain import files_under, time_cat
 
 if TYPE_CHECKING:
@@ -55,8 +55,7 @@ class ReshardSave(Task):
     """``create(url, layouts).write(rank, piece)`` at defaults; rank 0 commits once every rank wrote."""
 
     def __init__(self, ctx: Ctx) -> None:
-        import reshard.store as rs
-
+        rs = reshard_store()
         self.rs, self.ctx, self.url = rs, ctx, ctx.args["url"]
         self.layouts = tasks_reshard._layouts(ctx.args, "mesh")
         self.ranks = sorted(set().union(*(lay.ranks for lay in self.layouts.values())))

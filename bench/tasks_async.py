@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from bench import data
-from bench.harness import Ctx, Task
+from bench.harness import Ctx, Task, reshard_store
 
 
 class _State(Task):
@@ -65,7 +65,7 @@ class ManagerSave(_State):
 
     def __init__(self, ctx: Ctx) -> None:
         super().__init__(ctx)
-        import reshard.store as rs
+        rs = reshard_store()
         from reshard.layouts import Layout
 
         shutil.rmtree(self.url, ignore_errors=True)

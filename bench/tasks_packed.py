@@ -12,7 +12,7 @@ import shutil
 from typing import Any
 
 from bench import data
-from bench.harness import Ctx, Task
+from bench.harness import Ctx, Task, reshard_store
 from bench.tasks_reshard import wait_written
 
 
@@ -20,8 +20,7 @@ class SaveRanks(Task):
     """``ranks`` rank writes from ``world`` processes, then one commit."""
 
     def __init__(self, ctx: Ctx) -> None:
-        import reshard.store as rs
-
+        rs = reshard_store()
         self.rs, self.ctx, self.url = rs, ctx, ctx.args["url"]
         n = int(ctx.args["ranks"])
         specs = data.tensors(ctx.args["workload"], ctx.args["cfg"])

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from bench import data
-from bench.harness import Ctx, Task
+from bench.harness import Ctx, Task, reshard_store
 
 
 def _layouts(args: dict[str, Any], mesh_key: str) -> dict[str, Any]:
@@ -47,8 +47,7 @@ class Save(Task):
     """Each rank ``create(url, layouts).write(rank, local)``; rank 0 commits once all wrote."""
 
     def __init__(self, ctx: Ctx) -> None:
-        import reshard.store as rs
-
+        rs = reshard_store()
         self.rs, self.ctx, self.url = rs, ctx, ctx.args["url"]
         self.layouts = _layouts(ctx.args, "mesh")
         self.ranks = sorted(set().union(*(lay.ranks for lay in self.layouts.values())))
@@ -76,8 +75,7 @@ class SaveWhole(Task):
     """One process saves whole arrays with ``reshard.store.save`` (W2)."""
 
     def __init__(self, ctx: Ctx) -> None:
-        import reshard.store as rs
-
+        rs = reshard_store()
         self.rs, self.url, self.form = rs, ctx.args["url"], ctx.args.get("form")
         self.durable = ctx.args.get("durable", False)
         self.state = {s.name: data.fill(s.index, data.whole(s.shape), s.dtype)
@@ -100,8 +98,7 @@ class Load(Task):
     """
 
     def __init__(self, ctx: Ctx) -> None:
-        import reshard.store as rs
-
+        rs = reshard_store()
         self.rs, self.ctx = rs, ctx
         self.layouts = _layouts(ctx.args, "target")
         self.got: dict[str, Any] = {}
@@ -128,8 +125,7 @@ class ReadAll(Task):
     """Integration onto one host: ``open(url, engine=...).read_all()`` (engine ``fast`` by default)."""
 
     def __init__(self, ctx: Ctx) -> None:
-        import reshard.store as rs
-
+        rs = reshard_store()
         self.rs, self.ctx = rs, ctx
         self.got: dict[str, Any] = {}
 
@@ -149,8 +145,7 @@ class OpenInspect(Task):
     saving layout too (parses every array's metadata)."""
 
     def __init__(self, ctx: Ctx) -> None:
-        import reshard.store as rs
-
+        rs = reshard_store()
         self.rs, self.ctx, self.count = rs, ctx, 0
 
     def run(self, rep: int) -> dict[str, Any]:
@@ -168,8 +163,7 @@ class Export(Task):
     """``open(url).export(path, "safetensors")``: one file, streamed."""
 
     def __init__(self, ctx: Ctx) -> None:
-        import reshard.store as rs
-
+        rs = reshard_store()
         self.rs, self.ctx = rs, ctx
         self.path = ctx.args["out"]
 

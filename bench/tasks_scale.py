@@ -16,7 +16,7 @@ import shutil
 from typing import Any
 
 from bench import data
-from bench.harness import Ctx, Task
+from bench.harness import Ctx, Task, reshard_store
 from bench.tasks_reshard import flat
 
 
@@ -35,8 +35,7 @@ class SaveSim(Task):
     """One process writes the pieces of all N ranks, then commits."""
 
     def __init__(self, ctx: Ctx) -> None:
-        import reshard.store as rs
-
+        rs = reshard_store()
         self.rs, self.args = rs, ctx.args
         self.specs = _specs(ctx.args)
         self.layouts = _layouts(ctx.args, ctx.args["n"])
@@ -72,8 +71,7 @@ class LoadAll(Task):
     """``open`` once, then ``load(target, rank)`` for every target rank."""
 
     def __init__(self, ctx: Ctx) -> None:
-        import reshard.store as rs
-
+        rs = reshard_store()
         self.rs, self.args = rs, ctx.args
         self.checked = 0
 
