@@ -192,8 +192,10 @@ def test_docs_moe_recipe_runs_as_written(tmp_path, monkeypatch, capsys):
     assert codes == [0] * len(codes) and len(codes) == 3
     want = reference("dp_reshardable")
     _same(rs.open("rs-moe"), want)
-    import_megatron("mc-ep1", "back")
-    _same(rs.open("back"), {unchained(n): v for n, v in want.items()})
+    import_megatron("mc-ep2", "back2")
+    _same(rs.open("back2"), want)
+    import_megatron("mc-ep1", "back1")
+    _same(rs.open("back1"), {unchained(n): v for n, v in want.items()})
     assert main(["export", "--ep", "1", "rs-moe", "x.npz"]) == 2  # --ep is megatron's only
     assert "--ep applies to --format megatron only" in capsys.readouterr().err
 
