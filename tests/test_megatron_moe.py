@@ -33,8 +33,9 @@ EXPERTS = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
 
 
 def reference(form: str) -> dict[str, np.ndarray]:
-    """What the saving job held, by the names reshard imports (see make_moe.py)."""
-    with np.load(DATA / f"reference_moe_{form}.npz", allow_pickle=False) as ref:
+    """What the saving job held, by the names reshard imports (see make_moe.py); ``form`` or a sample's name."""
+    with np.load(DATA / f"reference_{form if form.startswith('moe_') else 'moe_' + form}.npz",
+                 allow_pickle=False) as ref:
         return {name: ref[name] for name in ref.files}
 
 
@@ -47,11 +48,13 @@ def unchained(name: str) -> str:
     return re.sub(r"^chained_\d+\.", "", name)
 
 
-@pytest.mark.parametrize("form", FORMS)
-def test_moe_import_is_exact(tmp_path, form):
-    """Every weight and every state of both chained optimizers equals what the job held; nothing skipped."""
-    done = import_megatron(str(DATA / f"moe_{form}"), str(tmp_path / "rs"))
-    want = reference(form)
+@pytest.mark.parametrize("sample", ["moe_dp_reshardable", "moe_fully_reshardable", "moe_tp2_dp_reshardable"])
+def test_moe_import_is_exact(tmp_path, sample):
+    """Every weight and every state of both chained optimizers equals what the job held; nothing skipped.
+    (TP=1 x EP=2 x DP=4 in both forms; TP=2 x EP=2 x DP=2, the experts split over tensor parallelism too.)"""
+    form = sample.removeprefix("moe_").removeprefix("tp2_")
+    done = import_megatron(str(DATA / sample), str(tmp_path / "rs"))
+    want = reference(sample)
     ckpt = rs.open(str(tmp_path / "rs"))
     assert set(ckpt) == set(want) and not done["skipped"]
     _same(ckpt, want)
@@ -64,7 +67,7 @@ def test_moe_import_is_exact(tmp_path, form):
     assert ckpt.tensor(EXPERTS).shape == (1, 4, 12, 8)  # (layer, global expert, ...)
     for name in states:
         assert isinstance(ckpt.tensor(name).layout, FlatLayout) == (form == "dp_reshardable"), name
-    if form == "dp_reshardable":  # the per_bucket_numel objects are read, the param groups kept
+    if sample == "moe_dp_reshardable":  # the per_bucket_numel objects are read, the param groups kept
         assert not [k for k in ckpt.leaves if "per_bucket_numel" in k]
         assert {k for k in ckpt.leaves if ".optimizer/shard_" in k} == {
             "chained_0.optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1",
@@ -222,27 +225,30 @@ def _held_equals_reference(held_npz: Path, form: str) -> None:
 
 
 @needs_megatron
-@pytest.mark.parametrize("ep, tp, world", [(2, 1, 2), (4, 1, 4), (1, 2, 2)])
-def test_real_megatron_loads_the_moe_export_at_another_parallelism(tmp_path, ep, tp, world):
-    """EP=2 x DP=4 dp_reshardable -> import -> export -> Megatron-Core loads it at EP x TP on WORLD ranks (another
-    dense and expert data-parallel size; EP=1 through ep=1, one optimizer): every weight and state equal."""
-    import_megatron(str(DATA / "moe_dp_reshardable"), str(tmp_path / "rs"))
+@pytest.mark.parametrize("sample, ep, tp, world", [("moe_dp_reshardable", 2, 1, 2), ("moe_dp_reshardable", 1, 2, 2),
+                                                   ("moe_tp2_dp_reshardable", 1, 1, 1),
+                                                   ("moe_tp2_dp_reshardable", 4, 1, 4)])
+def test_real_megatron_loads_the_moe_export_at_another_parallelism(tmp_path, sample, ep, tp, world):
+    """A dp_reshardable MoE save (TP=1 x EP=2 x DP=4, or TP=2 x EP=2 x DP=2) -> import -> export -> Megatron-Core
+    loads it at TP x EP on WORLD ranks (other dense and expert data-parallel and tensor-parallel sizes; EP=1
+    through ep=1, one optimizer): every weight and state equal to what the saving job held."""
+    import_megatron(str(DATA / sample), str(tmp_path / "rs"))
     export_megatron(str(tmp_path / "rs"), str(tmp_path / "mc"), ep=1 if ep == 1 else None)
     _load_moe("load", str(tmp_path / "mc"), str(tmp_path / "held.npz"), str(tp), str(ep), str(world))
-    _held_equals_reference(tmp_path / "held.npz", "dp_reshardable")
+    _held_equals_reference(tmp_path / "held.npz", sample)
 
 
 @needs_megatron
-@pytest.mark.parametrize("form", FORMS)
-def test_resumed_moe_training_has_the_uninterrupted_losses(tmp_path, form):
-    """Issue 36 item 4: the EP=2 job's save, imported and exported (ep=1), loaded by a job at EP=1 that trains two
-    steps: its losses equal bit for bit those of the same job given the saving job's state directly (no checkpoint),
-    and so does everything it then holds."""
-    import_megatron(str(DATA / f"moe_{form}"), str(tmp_path / "rs"))
+@pytest.mark.parametrize("sample", ["moe_dp_reshardable", "moe_fully_reshardable", "moe_tp2_dp_reshardable"])
+def test_resumed_moe_training_has_the_uninterrupted_losses(tmp_path, sample):
+    """Issue 36 item 4: the EP=2 job's save (TP=1 or 2), imported and exported (ep=1), loaded by a job at TP=1 x EP=1
+    that trains two steps: its losses equal bit for bit those of the same job given the saving job's state directly
+    (no checkpoint), and so does everything it then holds."""
+    import_megatron(str(DATA / sample), str(tmp_path / "rs"))
     export_megatron(str(tmp_path / "rs"), str(tmp_path / "mc"), ep=1)
     common = ("1", "1", "1", "2")  # TP, EP, world, steps
     _load_moe("load", str(tmp_path / "mc"), str(tmp_path / "a.npz"), *common, str(tmp_path / "a.json"))
-    _load_moe("reference", str(DATA / f"reference_moe_{form}.npz"), str(tmp_path / "b.npz"), *common,
+    _load_moe("reference", str(DATA / f"reference_{sample}.npz"), str(tmp_path / "b.npz"), *common,
               str(tmp_path / "b.json"))
     resumed = json.loads((tmp_path / "a.json").read_text())
     uninterrupted = json.loads((tmp_path / "b.json").read_text())

@@ -1,22 +1,24 @@
-"""Write moe_<FORM>/ and reference_moe_<FORM>.npz: a tiny MoE GPT's Megatron-Core torch_dist saves, by megatron-core.
+"""Write moe_*/ and reference_moe_*.npz: a tiny MoE GPT's Megatron-Core torch_dist saves, by megatron-core itself.
 
-4 gloo ranks on CPU, TP=1, expert parallelism EP=2 (so data parallelism 4 for the dense parameters and
-expert-data-parallelism 2 for the experts): a 1-layer GPTModel (local layer spec, 4 GELU experts in a
+4 gloo ranks on CPU, expert parallelism EP=2: moe_dp_reshardable and moe_fully_reshardable at TP=1 (so
+data parallelism 4 for the dense parameters and expert-data-parallelism 2 for the experts),
+moe_tp2_dp_reshardable at TP=2 (the experts split over tensor parallelism too, expert TP defaulting to TP:
+dense DP 2, expert DP 1). A 1-layer GPTModel (local layer spec, 4 GELU experts in a
 SequentialMLP, router top-1 with ``moe_router_pre_softmax``, no linear biases) in bf16 (Float16Module, as
 Megatron-LM wraps it) under DistributedDataParallel with the distributed optimizer (fp32 main parameters,
 Adam). Megatron gives the expert-parallel parameters an optimizer of their own, so ``get_megatron_optimizer``
 returns a ``ChainedOptimizer`` of two (0: dense, 1: experts). Two optimizer steps on gradients seeded per
 parameter (by its global name and expert index, so every replica agrees), then ``dist_checkpointing.save`` of
-``{"model": ..., "optimizer": opt.sharded_state_dict(msd, metadata={"distrib_optim_sharding_type": FORM})}``.
+``{"model": ..., "optimizer": opt.sharded_state_dict(msd, metadata={"distrib_optim_sharding_type": form})}``.
 ``dp_reshardable`` is written with bucket_size=200 (several buckets per buffer), ``fully_reshardable`` with
 one bucket per buffer (Megatron-Core 0.16.1 writes that form wrong past a buffer's first bucket,
-docs/megatron.md). reference_moe_<FORM>.npz holds what the job held under the names reshard imports:
+docs/megatron.md). reference_<folder>.npz holds what the job held under the names reshard imports:
 ``<model key>`` (the weights as float32) and ``chained_<i>.optimizer.state.<s>.<model key>`` (``param``,
 the fp32 main parameter, ``exp_avg``, ``exp_avg_sq``; without ``chained_<i>.`` where there is one optimizer)
 gathered from each chained optimizer's own per-parameter view.
 
-Run with megatron-core 0.16 and torch 2.13 on CPU: ``python make_moe.py [OUT]`` (make_forms.py's CPU shims;
-without psutil, the save's memory probe for a debug log is stubbed). ``build`` and ``held`` serve
+Run with megatron-core 0.16 and torch 2.13 on CPU: ``python make_moe.py [OUT [FOLDER ...]]`` (make_forms.py's
+CPU shims; without psutil, the save's memory probe for a debug log is stubbed). ``build`` and ``held`` serve
 load_moe.py too.
 """
 
@@ -33,9 +35,11 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from make_forms import cpu_shims, free_port
 
-WORLD, TP, EP = 4, 1, 2
-EXPERTS = 4
-FORMS = {"dp_reshardable": 200, "fully_reshardable": None}
+WORLD, EXPERTS = 4, 4
+#: sample folder -> (TP, EP, form, DDP bucket_size; None: one bucket per buffer)
+SAVES = {"moe_dp_reshardable": (1, 2, "dp_reshardable", 200),
+         "moe_fully_reshardable": (1, 2, "fully_reshardable", None),
+         "moe_tp2_dp_reshardable": (2, 2, "dp_reshardable", 400)}
 
 
 def build(tp, ep, bucket_size):
@@ -122,7 +126,7 @@ def held(ddp, opt, path):
         np.savez(path, **ref)
 
 
-def run(rank, port, out, form, bucket_size):
+def run(rank, port, out, name):
     cpu_shims()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
@@ -130,20 +134,21 @@ def run(rank, port, out, form, bucket_size):
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     filesystem_async._process_memory = lambda: 0  # its debug log's memory probe needs psutil, absent here
-    ddp, opt = build(TP, EP, bucket_size)
+    tp, ep, form, bucket_size = SAVES[name]
+    ddp, opt = build(tp, ep, bucket_size)
     assert len(opt.chained_optimizers) == 2  # EP > 1: the experts' parameters have an optimizer of their own
     for step in range(2):
         seeded_grads(ddp, step)
         opt.step()
     msd = ddp.module.sharded_state_dict()
     osd = opt.sharded_state_dict(msd, metadata={"distrib_optim_sharding_type": form})
-    folder = os.path.join(out, f"moe_{form}")
+    folder = os.path.join(out, name)
     if rank == 0:
         os.makedirs(folder)
     dist.barrier()
     dist_checkpointing.save({"model": msd, "optimizer": osd}, folder)
     dist.barrier()
-    held(ddp, opt, os.path.join(out, f"reference_moe_{form}.npz"))
+    held(ddp, opt, os.path.join(out, f"reference_{name}.npz"))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -151,6 +156,6 @@ def run(rank, port, out, form, bucket_size):
 if __name__ == "__main__":
     out = sys.argv[1] if len(sys.argv) > 1 else os.path.dirname(os.path.abspath(__file__))
     os.makedirs(out, exist_ok=True)
-    for form, bucket_size in FORMS.items():
-        shutil.rmtree(os.path.join(out, f"moe_{form}"), ignore_errors=True)
-        mp.spawn(run, args=(free_port(), out, form, bucket_size), nprocs=WORLD)
+    for name in sys.argv[2:] or SAVES:
+        shutil.rmtree(os.path.join(out, name), ignore_errors=True)
+        mp.spawn(run, args=(free_port(), out, name), nprocs=WORLD)
