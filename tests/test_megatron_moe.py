@@ -4,7 +4,8 @@ tests/data/megatron/forms/moe_<form> were written by megatron-core 0.16.1 itself
 bf16 GPT with 4 GELU experts (SequentialMLP) on 4 gloo ranks, TP=1 x EP=2 (dense data parallelism 4,
 expert-data-parallelism 2), two Adam steps, the optimizer a ChainedOptimizer of two (0: dense, 1: experts),
 saved in the ``dp_reshardable`` and ``fully_reshardable`` forms, with what the job held per parameter in
-reference_moe_<form>.npz. CI checks the import and export against them without Megatron; where
+reference_moe_<form>.npz; moe_tp2_dp_reshardable the same at TP=2 x EP=2 x DP=2, and moe_grouped_<form>
+with the legacy GroupedMLP experts. CI checks the import and export against them without Megatron; where
 ``RESHARD_MEGATRON16_PYTHON`` names an interpreter with megatron-core >= 0.13, Megatron loads the exports at other
 parallelisms and trains on (load_moe.py), its losses compared with an uninterrupted run.
 """
@@ -146,6 +147,39 @@ def test_moe_export_refusals(tmp_path):
         export_megatron(str(tmp_path / "dense"), str(tmp_path / "y"), ep=2)
     with pytest.raises(ValueError, match="ep=0"):
         export_megatron(str(tmp_path / "rs"), str(tmp_path / "y"), ep=0)
+
+
+def test_grouped_mlp_buckets_are_refused_not_guessed(tmp_path):
+    """GroupedMLP (legacy grouped GEMM) saves its expert weights through factories (per-expert transposed views of
+    one parameter), so no saved block equals a stretch of its flat main parameter: the dp_reshardable import
+    refuses, naming the experts' bucket, and writes nothing."""
+    with pytest.raises(FormatError, match=r"moe_grouped_dp_reshardable/\.metadata: bucket 0 of buffer 0 of "
+                                          r"data-parallel group 0 of chained_1\.optimizer\.distributed: the fp32 main "
+                                          r"parameter at element 0 equals no saved model weight"):
+        import_megatron(str(DATA / "moe_grouped_dp_reshardable"), str(tmp_path / "x"))
+    assert not (tmp_path / "x").exists()
+
+
+def test_grouped_mlp_fully_reshardable_imports_in_model_space(tmp_path):
+    """GroupedMLP's fully_reshardable save is in model space, its experts named and shaped as SequentialMLP's: every
+    fp32 main parameter, cast to bf16, equals its saved weight (expert blocks included); the export reads back."""
+    import torch
+
+    import_megatron(str(DATA / "moe_grouped_fully_reshardable"), str(tmp_path / "rs"))
+    ckpt = rs.open(str(tmp_path / "rs"))
+    assert ckpt.tensor(EXPERTS).shape == (1, 4, 12, 8)
+    mains = [n for n in ckpt if ".optimizer.state.param." in n]
+    assert len(mains) == 14 and f"chained_1.optimizer.state.param.{EXPERTS}" in mains
+    for name in mains:
+        main = torch.from_numpy(np.asarray(ckpt[name].read())).to(torch.bfloat16)
+        weight = torch.from_numpy(np.asarray(ckpt[name.split(".state.param.")[1]].read(), np.float32))
+        assert torch.equal(main.float(), weight), name
+    export_megatron(str(tmp_path / "rs"), str(tmp_path / "mc"))
+    import_megatron(str(tmp_path / "mc"), str(tmp_path / "back"))
+    back = rs.open(str(tmp_path / "back"))
+    assert set(back) == set(ckpt)
+    for name in ckpt:
+        np.testing.assert_array_equal(back[name].read(), ckpt[name].read(), err_msg=name)
 
 
 def test_buckets_under_another_prefix_are_refused_unless_skipped(tmp_path, capsys):

@@ -129,7 +129,8 @@ def place_buckets(store: Storage, md: Any, where: dict[Any, Any], prefix: str = 
     states: list[str] | None = None
     for key in sorted(buckets):
         entry = buckets[key]
-        what = f"{prefix}bucket {key[3]} of buffer {key[1]} of data-parallel group {key[0]}"
+        what = (f"bucket {key[3]} of buffer {key[1]} of data-parallel group {key[0]}"
+                + (f" of {prefix}optimizer.distributed" if prefix else ""))
         if MAIN_PARAM not in entry:
             raise FormatError(f"{what}: no {MAIN_PARAM!r} state (the fp32 main parameters), which places the others")
         if states is None:

@@ -3,7 +3,8 @@
 4 gloo ranks on CPU, expert parallelism EP=2: moe_dp_reshardable and moe_fully_reshardable at TP=1 (so
 data parallelism 4 for the dense parameters and expert-data-parallelism 2 for the experts),
 moe_tp2_dp_reshardable at TP=2 (the experts split over tensor parallelism too, expert TP defaulting to TP:
-dense DP 2, expert DP 1). A 1-layer GPTModel (local layer spec, 4 GELU experts in a
+dense DP 2, expert DP 1); moe_grouped_<form> with the legacy GroupedMLP experts (see ``build``; no
+reference: its weights are saved through factories). A 1-layer GPTModel (local layer spec, 4 GELU experts in a
 SequentialMLP, router top-1 with ``moe_router_pre_softmax``, no linear biases) in bf16 (Float16Module, as
 Megatron-LM wraps it) under DistributedDataParallel with the distributed optimizer (fp32 main parameters,
 Adam). Megatron gives the expert-parallel parameters an optimizer of their own, so ``get_megatron_optimizer``
@@ -36,14 +37,21 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from make_forms import cpu_shims, free_port
 
 WORLD, EXPERTS = 4, 4
-#: sample folder -> (TP, EP, form, DDP bucket_size; None: one bucket per buffer)
-SAVES = {"moe_dp_reshardable": (1, 2, "dp_reshardable", 200),
-         "moe_fully_reshardable": (1, 2, "fully_reshardable", None),
-         "moe_tp2_dp_reshardable": (2, 2, "dp_reshardable", 400)}
+#: sample folder -> (TP, EP, form, DDP bucket_size (None: one bucket per buffer), experts: GroupedMLP?)
+SAVES = {"moe_dp_reshardable": (1, 2, "dp_reshardable", 200, False),
+         "moe_fully_reshardable": (1, 2, "fully_reshardable", None, False),
+         "moe_tp2_dp_reshardable": (2, 2, "dp_reshardable", 400, False),
+         "moe_grouped_dp_reshardable": (1, 2, "dp_reshardable", None, True),
+         "moe_grouped_fully_reshardable": (1, 2, "fully_reshardable", None, True)}
 
 
-def build(tp, ep, bucket_size):
-    """The tiny bf16 MoE GPT under DDP with the distributed (chained) optimizer, on the current gloo job."""
+def build(tp, ep, bucket_size, grouped=False):
+    """The tiny bf16 MoE GPT under DDP with the distributed (chained) optimizer, on the current gloo job.
+
+    ``grouped``: the experts are the legacy GroupedMLP (``moe_grouped_gemm``, ``moe_use_legacy_grouped_gemm``),
+    whose constructor asserts the ``grouped_gemm`` package (CUDA kernels, not on this CPU machine). Its
+    forward alone calls them; building and saving do not, so the assertion is stubbed for the save.
+    """
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -52,15 +60,21 @@ def build(tp, ep, bucket_size):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.module import Float16Module
 
+    if grouped:
+        from megatron.core.transformer.moe import grouped_gemm_util
+
+        grouped_gemm_util.assert_grouped_gemm_is_available = lambda: None
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
     torch.manual_seed(1234)
     cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, ffn_hidden_size=12,
                             add_bias_linear=False, use_cpu_initialization=True, num_moe_experts=EXPERTS,
                             tensor_model_parallel_size=tp, expert_model_parallel_size=ep, moe_router_topk=1,
                             moe_router_pre_softmax=True, moe_ffn_hidden_size=12, moe_token_dispatcher_type="allgather",
+                            moe_grouped_gemm=grouped,
                             bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
                             hidden_dropout=0.0, attention_dropout=0.0)
-    model = GPTModel(cfg, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=EXPERTS), vocab_size=16,
+    model = GPTModel(cfg, transformer_layer_spec=get_gpt_layer_local_spec(
+        num_experts=EXPERTS, moe_grouped_gemm=grouped, moe_use_legacy_grouped_gemm=grouped), vocab_size=16,
                      max_sequence_length=8, share_embeddings_and_output_weights=False)
     model = Float16Module(cfg, model)
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
@@ -84,8 +98,13 @@ def global_names(ddp):
 
 
 def seeded_grads(ddp, step):
-    """Gradients seeded by each parameter's key, expert and step: every replica of a parameter agrees."""
-    for p, (key, expert) in global_names(ddp).items():
+    """Gradients seeded by each parameter's key, expert and step: every replica of a parameter agrees.
+    (GroupedMLP's weights, saved through factories, by their parameter name and expert-parallel rank.)"""
+    from megatron.core import parallel_state as ps
+
+    names = global_names(ddp)
+    for name, p in ddp.module.named_parameters():
+        key, expert = names.get(p, (name, ps.get_expert_model_parallel_rank()))
         seed = (sum(key.encode()) * 7 + 131 * (expert or 0) + 1000 * step) % (2 ** 31)
         p.main_grad.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
 
@@ -134,8 +153,8 @@ def run(rank, port, out, name):
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     filesystem_async._process_memory = lambda: 0  # its debug log's memory probe needs psutil, absent here
-    tp, ep, form, bucket_size = SAVES[name]
-    ddp, opt = build(tp, ep, bucket_size)
+    tp, ep, form, bucket_size, grouped = SAVES[name]
+    ddp, opt = build(tp, ep, bucket_size, grouped)
     assert len(opt.chained_optimizers) == 2  # EP > 1: the experts' parameters have an optimizer of their own
     for step in range(2):
         seeded_grads(ddp, step)
@@ -148,7 +167,8 @@ def run(rank, port, out, name):
     dist.barrier()
     dist_checkpointing.save({"model": msd, "optimizer": osd}, folder)
     dist.barrier()
-    held(ddp, opt, os.path.join(out, f"reference_{name}.npz"))
+    if not grouped:  # GroupedMLP saves its weights through factories: no per-parameter ShardedTensor to read
+        held(ddp, opt, os.path.join(out, f"reference_{name}.npz"))
     dist.barrier()
     dist.destroy_process_group()
 
