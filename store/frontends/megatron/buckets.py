@@ -32,6 +32,13 @@ model tensor's shape, under a :class:`~reshard.layouts.FlatLayout` whose range
 ``k`` is the ``k``-th stored piece (a data-parallel rank's range of a
 tensor-parallel block). A block held by several data-parallel groups (a norm
 weight replicated over tensor parallelism) is taken from the lowest group.
+
+A ``ChainedOptimizer`` (an MoE model under expert parallelism: 0 dense, 1 the
+experts, over the expert-data-parallel group) saves each optimizer's buckets
+under ``chained_<i>.``: :func:`place_chained_buckets` places each optimizer's
+on their own against the same saved weights, its tensors named
+``chained_<i>.optimizer.state.<s>.<model key>`` (the names Megatron gives the
+``fully_reshardable`` form).
 """
 
 from __future__ import annotations
@@ -99,8 +106,9 @@ def place_chained_buckets(store: Storage, md: Any, where: dict[Any, Any]) -> dic
                       key=lambda p: (len(p), p))
     out: dict[str, BucketTensor] = {}
     owner: dict[str, str] = {}
+    index = _model_index(store, md, where) if prefixes else {}  # read once, for every optimizer
     for prefix in prefixes:
-        for name, tensor in place_buckets(store, md, where, prefix).items():
+        for name, tensor in place_buckets(store, md, where, prefix, index).items():
             key = name.removeprefix(prefix).split(".", 3)[3]
             if owner.setdefault(key, prefix) != prefix:
                 raise FormatError(f"{store.url}: the optimizer state of {key!r} is found in the buckets of two "
@@ -109,10 +117,12 @@ def place_chained_buckets(store: Storage, md: Any, where: dict[Any, Any]) -> dic
     return out
 
 
-def place_buckets(store: Storage, md: Any, where: dict[Any, Any], prefix: str = "") -> dict[str, BucketTensor]:
+def place_buckets(store: Storage, md: Any, where: dict[Any, Any], prefix: str = "",
+                  index: dict[tuple[str, int], dict[bytes, set[Block]]] | None = None) -> dict[str, BucketTensor]:
     """Every ``dp_reshardable`` bucket state of a ``torch_dist`` save, as per-parameter tensors (see the module).
 
-    ``prefix``: only the buckets under it (a ``ChainedOptimizer``'s ``"chained_<i>."``), whose tensors keep it.
+    ``prefix``: only the buckets under it (a ``ChainedOptimizer``'s ``"chained_<i>."``), whose tensors keep it;
+    ``index``: the saved model blocks by digest, when the caller has read them already.
     """
     buckets: dict[tuple[int, int, str, int], dict[str, Any]] = {}
     for fqn, item in md.state_dict_metadata.items():
@@ -122,7 +132,8 @@ def place_buckets(store: Storage, md: Any, where: dict[Any, Any], prefix: str = 
             buckets.setdefault((int(g), int(i), dt, int(b)), {})[state] = (fqn, item)
     if not buckets:
         return {}
-    index = _model_index(store, md, where)
+    if index is None:
+        index = _model_index(store, md, where)
     unpadded = _unpadded_sizes(store, md, where, prefix)
     found: dict[Block, Placed] = {}
     ambiguous: list[tuple[frozenset[Block], Placed]] = []
