@@ -2,10 +2,9 @@
 
 tests/data/megatron/forms was written by megatron-core 0.16.1 itself: a tiny bf16 GPT, TP=2 x DP=2
 on 4 gloo ranks, two Adam steps, saved in each form (make_forms.py there says how), with what
-Megatron's optimizer held per parameter in reference_<form>.npz; and moe_dp_reshardable, a 2-expert
-MoE GPT whose chained optimizer's buckets reshard refuses (make_moe.py). CI checks the import against it
-without Megatron; where ``RESHARD_MEGATRON16_PYTHON`` names an interpreter with megatron-core >= 0.13,
-one test writes fresh saves with it (skipped otherwise).
+Megatron's optimizer held per parameter in reference_<form>.npz (MoE saves: tests/test_megatron_moe.py).
+CI checks the import against it without Megatron; where ``RESHARD_MEGATRON16_PYTHON`` names an
+interpreter with megatron-core >= 0.13, one test writes fresh saves with it (skipped otherwise).
 """
 
 from __future__ import annotations
@@ -132,69 +131,7 @@ def test_cli_imports_dp_reshardable(tmp_path):
 
 
 # ------------------------------------------------------------------ what is not decoded: refused, or skipped on request
-
-MOE = DATA / "moe_dp_reshardable"  # megatron-core 0.16.1's own save of a 2-expert MoE GPT (make_moe.py)
-
-
-def test_moe_chained_optimizer_buckets_are_refused_naming_them_and_their_files(tmp_path):
-    """The experts' parameters get an optimizer of their own: the save's buckets are chained_0. / chained_1.,
-    which reshard does not decode; the import refuses, writing nothing, rather than keep them as 1-d tensors."""
-    with pytest.raises(FormatError, match=r"chained_0\.optimizer\.distributed\.\* \(in __0_0\.distcp, __0_1\.distcp, "
-                       r"__1_0\.distcp, __1_1\.distcp\): they are a ChainedOptimizer's.*chained_1\.optimizer"
-                       r"\.distributed.*--skip chained_0\.optimizer\.distributed --skip chained_1") as e:
-        import_megatron(str(MOE), str(tmp_path / "x"))
-    assert str(MOE) in str(e.value)
-    assert not (tmp_path / "x").exists()
-    with pytest.raises(FormatError, match=r"chained_1\.optimizer\.distributed"):  # one skipped, the other still not
-        import_megatron(str(MOE), str(tmp_path / "x"), skip=["chained_0"])
-
-
-def test_moe_import_with_skip_records_what_was_left_out(tmp_path, capsys):
-    from reshard.store.cli import main
-
-    done = import_megatron(str(MOE), str(tmp_path / "rs"), skip=["chained_*"])
-    assert done["skipped"] == ["chained_0.optimizer.distributed", "chained_1.optimizer.distributed"]
-    ckpt = rs.open(str(tmp_path / "rs"))
-    md = pickle.loads((MOE / ".metadata").read_bytes())  # the test's own sample
-    model = {k for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks") and not k.startswith("chained_")}
-    assert set(ckpt) == model and "decoder.layers.mlp.experts.experts.linear_fc1.weight" in model
-    skipped = ckpt.leaves["reshard.skipped"]
-    assert [r["name"] for r in skipped] == done["skipped"]
-    assert all("ChainedOptimizer" in r["why"] and "__1_1.distcp" in r["what"] for r in skipped)
-
-    assert main(["import", "megatron", str(MOE), str(tmp_path / "cli")]) == 1
-    assert "not decoded" in capsys.readouterr().err and not (tmp_path / "cli").exists()
-    assert main(["import", "megatron", str(MOE), str(tmp_path / "cli"), "--skip", "chained_*"]) == 0
-    capsys.readouterr()
-    assert main(["inspect", str(tmp_path / "cli")]) == 0
-    shown = [line for line in capsys.readouterr().out.splitlines() if line.startswith("skipped at import: ")]
-    assert [line.split(": ")[1] for line in shown] == done["skipped"]
-    assert main(["inspect", "--json", str(tmp_path / "cli")]) == 0
-    assert json.loads(capsys.readouterr().out)["skipped"] == skipped
-
-
-def test_docs_moe_recipe_runs_as_written(tmp_path, monkeypatch, capsys):
-    """docs/megatron.md's MoE commands, each line run through the CLI next to a copy of the sample."""
-    import shlex
-
-    from reshard.store.cli import main
-    from test_docs import DOCS, blocks
-
-    monkeypatch.chdir(tmp_path)
-    shutil.copytree(MOE, tmp_path / "moe_dp_reshardable")
-    recipe = next(b for b in blocks((DOCS / "megatron.md").read_text()) if "--skip 'chained_*'" in b.code)
-    codes, outs = [], []
-    for line in recipe.code.splitlines():
-        words = shlex.split(line, comments=True)
-        assert words[0] == "reshard", line
-        codes.append(main(words[1:]))
-        outs.append(capsys.readouterr())
-    assert codes == [1, 0, 0]
-    assert "chained_0.optimizer.distributed" in outs[0].err and "chained_1.optimizer.distributed" in outs[0].err
-    assert "skipped at import: chained_0.optimizer.distributed: " in outs[2].out
-    names = set(rs.open("rs-moe"))  # the weights, nothing undecoded
-    assert "decoder.layers.mlp.experts.experts.linear_fc2.weight" in names
-    assert not any(n.startswith(("chained_", "optimizer.")) for n in names)
+# (MoE saves, whose ChainedOptimizer buckets are decoded: tests/test_megatron_moe.py)
 
 
 def test_a_common_entry_that_is_not_json_is_refused_unless_skipped(tmp_path):

@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
             "or into MindSpore per-rank files, a DeepSpeed ZeRO save or a Megatron-Core torch_dist save",
             json_out=False)
     p.usage = ("%(prog)s [-h] [-S KEY=VALUE] [--format F] [--strategy FILE] [--max-shard-size SIZE] [--dp N] "
-               "[--prefix P] [--overwrite] [FORMAT] SRC FILE")
+               "[--ep N] [--prefix P] [--overwrite] [FORMAT] SRC FILE")
     p.add_argument("paths", nargs="+", metavar="[FORMAT] SRC FILE",
                    help="FORMAT, if given, is --format (reshard export mindspore SRC DIR --strategy FILE); "
                         "FILE is the output file (a folder for mindspore)")
@@ -202,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-split", action="append", default=[], metavar="PATTERN=RULE",
                    help="deepspeed only: how the tensors whose names match PATTERN split over --tp ranks (a dim, "
                         "'replicated', 'average'), before what the import recorded")
+    p.add_argument("--ep", type=int, default=None, metavar="N",
+                   help="megatron only: the expert-parallel size of the loading job, where it changes the "
+                        "optimizer's structure (1: one optimizer, a chained import's merged; default: the import's)")
     p.add_argument("--prefix", default="", help="torch and safetensors folders: export the tensors under PREFIX, "
                                                 "named without it (--prefix model. gives a file for "
                                                 "model.load_state_dict, or a folder for from_pretrained)")

@@ -286,7 +286,7 @@ def _export_megatron(args: argparse.Namespace, t0: float) -> int:
     from .commands import storage_options
 
     done = export_megatron(args.src, args.file, storage_options=storage_options(args.storage_option),
-                           overwrite=args.overwrite)
+                           overwrite=args.overwrite, ep=args.ep)
     print(f"exported a Megatron-Core torch_dist save (fully_reshardable, {done['tensors']} tensors, "
           f"{done['states']} optimizer states) to {done['folder']} in {time.perf_counter() - t0:.2f} s")
     return 0

@@ -161,6 +161,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         args.parser.error("--format deepspeed needs --dp, and --dp needs --format deepspeed")
     if fmt != "deepspeed" and (args.tp is not None or args.tp_split):
         args.parser.error("--tp and --tp-split apply to --format deepspeed only")
+    if args.ep is not None and fmt != "megatron":
+        args.parser.error("--ep applies to --format megatron only")
     t0 = time.perf_counter()
     row = FRAMEWORKS.get(fmt)
     if row is not None and row.run_export is not None:

@@ -32,6 +32,13 @@ model tensor's shape, under a :class:`~reshard.layouts.FlatLayout` whose range
 ``k`` is the ``k``-th stored piece (a data-parallel rank's range of a
 tensor-parallel block). A block held by several data-parallel groups (a norm
 weight replicated over tensor parallelism) is taken from the lowest group.
+
+A ``ChainedOptimizer`` (an MoE model under expert parallelism: 0 dense, 1 the
+experts, over the expert-data-parallel group) saves each optimizer's buckets
+under ``chained_<i>.``: :func:`place_chained_buckets` places each optimizer's
+on their own against the same saved weights, its tensors named
+``chained_<i>.optimizer.state.<s>.<model key>`` (the names Megatron gives the
+``fully_reshardable`` form).
 """
 
 from __future__ import annotations
@@ -54,8 +61,10 @@ BUCKET_KEY = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(
                         r"\.([A-Za-z_][A-Za-z0-9_]*)")
 #: ShardedObjects of the form that :func:`place_buckets` reads (checked, not kept as leaves).
 BUCKET_OBJECTS = re.compile(r"optimizer\.distributed\.dp_group_idx_\d+\.per_bucket_numel(_unpadded)?(/shard_.*)?")
-#: Flat buckets of the same form under a prefix: a ``ChainedOptimizer``'s (``chained_<i>.``, one optimizer per
-#: parameter group, e.g. an MoE model's expert parameters). Not decoded: an import refuses them unless skipped.
+#: A ``ChainedOptimizer``'s prefix (one optimizer per parameter group, e.g. an MoE model's expert parameters):
+#: its buckets are decoded like the unprefixed ones, into ``chained_<i>.optimizer.state.<s>.<model key>``.
+CHAINED = re.compile(r"(chained_\d+\.)(optimizer\..+)")
+#: Flat buckets under any other prefix: not decoded, an import refuses them unless skipped.
 PREFIXED_BUCKETS = re.compile(r"(.+)\.optimizer\.distributed\..+")
 MAIN_PARAM = "param"
 
@@ -73,32 +82,68 @@ class BucketTensor:
     sources: list[tuple[str, int, int, int, int]] = field(default_factory=list)
 
 
+def chained_prefix(fqn: str) -> str:
+    """``"chained_<i>."`` for a ``ChainedOptimizer``'s key ``chained_<i>.optimizer.*``, else ``""``."""
+    m = CHAINED.fullmatch(fqn)
+    return m.group(1) if m else ""
+
+
 def is_bucket_key(fqn: str) -> bool:
-    return BUCKET_KEY.fullmatch(fqn) is not None
+    return BUCKET_KEY.fullmatch(fqn.removeprefix(chained_prefix(fqn))) is not None
 
 
-def place_buckets(store: Storage, md: Any, where: dict[Any, Any]) -> dict[str, BucketTensor]:
-    """Every ``dp_reshardable`` bucket state of a ``torch_dist`` save, as per-parameter tensors (see the module)."""
+def is_bucket_object(fqn: str) -> bool:
+    """A ``per_bucket_numel*`` ShardedObject (read by :func:`place_buckets`), unprefixed or a chained optimizer's."""
+    return BUCKET_OBJECTS.fullmatch(fqn.removeprefix(chained_prefix(fqn))) is not None
+
+
+def place_chained_buckets(store: Storage, md: Any, where: dict[Any, Any]) -> dict[str, BucketTensor]:
+    """:func:`place_buckets` for the unprefixed buckets and for each ``ChainedOptimizer``'s (``chained_<i>.``).
+
+    Each optimizer's buckets are placed on their own (an optimizer's buckets hold only its parameters,
+    e.g. the expert-parallel ones under the expert-data-parallel group) against the same model weights;
+    their tensors keep the optimizer's prefix. A model tensor placed by two optimizers is refused.
+    """
+    prefixes = sorted({chained_prefix(fqn) for fqn in md.state_dict_metadata if is_bucket_key(fqn)},
+                      key=lambda p: (len(p), p))
+    out: dict[str, BucketTensor] = {}
+    owner: dict[str, str] = {}
+    index = model_index(store, md, where) if prefixes else {}  # read once, for every optimizer
+    for prefix in prefixes:
+        for name, tensor in place_buckets(store, md, where, prefix, index).items():
+            key = name.removeprefix(prefix).split(".", 3)[3]
+            if owner.setdefault(key, prefix) != prefix:
+                raise FormatError(f"{store.url}: the optimizer state of {key!r} is found in the buckets of two "
+                                  f"optimizers ({owner[key] or 'unprefixed'!r} and {prefix!r})")
+            out[name] = tensor
+    return out
+
+
+def place_buckets(store: Storage, md: Any, where: dict[Any, Any], prefix: str = "",
+                  index: Index | None = None) -> dict[str, BucketTensor]:
+    """Every ``dp_reshardable`` bucket state of a ``torch_dist`` save, as per-parameter tensors (see the module).
+
+    ``prefix``: only the buckets under it (a ``ChainedOptimizer``'s ``"chained_<i>."``), whose tensors keep it;
+    ``index``: the saved model blocks by digest, when the caller has read them already.
+    """
     buckets: dict[tuple[int, int, str, int], dict[str, Any]] = {}
     for fqn, item in md.state_dict_metadata.items():
-        m = BUCKET_KEY.fullmatch(fqn)
+        m = BUCKET_KEY.fullmatch(fqn[len(prefix):]) if fqn.startswith(prefix) else None
         if m and hasattr(item, "chunks"):
             g, i, dt, b, state = m.groups()
             buckets.setdefault((int(g), int(i), dt, int(b)), {})[state] = (fqn, item)
     if not buckets:
         return {}
-    index: Index = {k: {d: {(b,) for b in blocks} for d, blocks in table.items()}
-                    for k, table in _model_index(store, md, where).items()}
-    for k, table in joined_index(store, md, where).items():
-        for d, parts in table.items():
-            index.setdefault(k, {}).setdefault(d, set()).update(parts)
-    unpadded = _unpadded_sizes(store, md, where)
+    if index is None:
+        index = model_index(store, md, where)
+    unpadded = _unpadded_sizes(store, md, where, prefix)
     found: dict[Part, Placed] = {}
     ambiguous: list[tuple[frozenset[Part], Placed]] = []
     states: list[str] | None = None
     for key in sorted(buckets):
         entry = buckets[key]
-        what = f"bucket {key[3]} of buffer {key[1]} of data-parallel group {key[0]}"
+        what = (f"bucket {key[3]} of buffer {key[1]} of data-parallel group {key[0]}"
+                + (f" of {prefix}optimizer.distributed" if prefix else ""))
         if MAIN_PARAM not in entry:
             raise FormatError(f"{what}: no {MAIN_PARAM!r} state (the fp32 main parameters), which places the others")
         if states is None:
@@ -134,7 +179,7 @@ def place_buckets(store: Storage, md: Any, where: dict[Any, Any]) -> dict[str, B
             else:
                 ambiguous.append((blocks, (piece, fqns)))
     _settle(store, where, found, ambiguous)
-    return _tensors(md, found, states or [], store)
+    return {prefix + name: t for name, t in _tensors(md, found, states or [], store).items()}
 
 
 def _walk(what: str, main: np.ndarray, bounds: set[int], index: Index
@@ -236,11 +281,21 @@ def _tensors(md: Any, found: dict[Part, Placed], states: list[str], store: Stora
     return out
 
 
+def model_index(store: Storage, md: Any, where: dict[Any, Any]) -> Index:
+    """What a bucket parameter may equal: every saved model block, and every pair a SwiGLU factory saved (joined)."""
+    index: Index = {k: {d: {(b,) for b in blocks} for d, blocks in table.items()}
+                    for k, table in _model_index(store, md, where).items()}
+    for k, table in joined_index(store, md, where).items():
+        for d, parts in table.items():
+            index.setdefault(k, {}).setdefault(d, set()).update(parts)
+    return index
+
+
 def _model_index(store: Storage, md: Any, where: dict[Any, Any]) -> dict[tuple[str, int], dict[bytes, set[Block]]]:
     """Every saved model block (a DCP chunk of a tensor outside ``optimizer.``) by dtype, length and digest."""
     index: dict[tuple[str, int], dict[bytes, set[Block]]] = {}
     for fqn, item in md.state_dict_metadata.items():
-        if fqn.startswith("optimizer.") or not hasattr(item, "chunks"):
+        if fqn.startswith("optimizer.") or chained_prefix(fqn) or not hasattr(item, "chunks"):
             continue
         dtype = str(item.properties.dtype).removeprefix("torch.")
         for chunk in item.chunks:
@@ -259,11 +314,13 @@ def _model_index(store: Storage, md: Any, where: dict[Any, Any]) -> dict[tuple[s
     return index
 
 
-def _unpadded_sizes(store: Storage, md: Any, where: dict[Any, Any]) -> dict[tuple[int, int, int], int]:
+def _unpadded_sizes(store: Storage, md: Any, where: dict[Any, Any], prefix: str = ""
+                    ) -> dict[tuple[int, int, int], int]:
     """``per_bucket_numel_unpadded`` as saved: (group, buffer, bucket) -> elements (checked against the tensors)."""
     out: dict[tuple[int, int, int], int] = {}
     for idx, info in where.items():
-        m = re.fullmatch(r"optimizer\.distributed\.dp_group_idx_(\d+)\.per_bucket_numel_unpadded(/shard_.*)?", idx[0])
+        m = re.fullmatch(re.escape(prefix) + r"optimizer\.distributed\.dp_group_idx_(\d+)\.per_bucket_numel_unpadded"
+                         r"(/shard_.*)?", idx[0])
         if not m:
             continue
         value = _dcp_item(store, info, f"item {idx[0]!r}")

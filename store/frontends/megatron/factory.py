@@ -51,6 +51,8 @@ def digest(tensor: Any) -> bytes:
 #: The tensors Megatron-Core saves through ``apply_swiglu_sharded_factory``: a gated MLP's ``linear_fc1`` weight
 #: and bias (``MLP.sharded_state_dict``; an MoE expert's too, under its own prefix and index).
 FACTORY_KEYS = re.compile(r"(.+\.)?linear_fc1\.(weight|bias)\d*")
+#: Optimizer state, not model weights: unprefixed or a ChainedOptimizer's (``chained_<i>.optimizer.``).
+OPTIMIZER_KEY = re.compile(r"(chained_\d+\.)?optimizer\.")
 
 
 def factory_pairs(md: Any) -> Iterator[Part]:
@@ -58,7 +60,7 @@ def factory_pairs(md: Any) -> Iterator[Part]:
     ``i`` and ``i + m`` of ``2m`` equal fragments along the first axis whose blocks are longer than 1, every other
     offset equal."""
     for fqn, item in md.state_dict_metadata.items():
-        if (fqn.startswith("optimizer.") or not FACTORY_KEYS.fullmatch(fqn) or not hasattr(item, "chunks")
+        if (OPTIMIZER_KEY.match(fqn) or not FACTORY_KEYS.fullmatch(fqn) or not hasattr(item, "chunks")
                 or len(item.chunks) < 2):
             continue
         blocks = [(tuple(int(x) for x in c.offsets), tuple(int(x) for x in c.sizes)) for c in item.chunks]

@@ -21,11 +21,13 @@ needs, and reading a tensor whole integrates it.
 The ``dp_reshardable`` form (flat buckets, :mod:`.buckets`) becomes
 each parameter's state in its own shape too; the ``fully_reshardable`` form is
 regular tensors. :mod:`.write` writes an import back. Flat buckets under a
-prefix (a ``ChainedOptimizer``'s ``chained_<i>.``: an MoE model's expert
-parameters get an optimizer of their own) are not decoded: the import refuses
-them, naming them and their files, unless ``skip`` names them (then the
-checkpoint records them as skipped, :class:`~reshard.store.frontends.sources.Skips`);
-so are items and ``common.pt`` entries that are not JSON.
+prefix ``chained_<i>.`` (a ``ChainedOptimizer``'s: an MoE model's expert
+parameters get an optimizer of their own) are decoded the same way, each
+optimizer's state keeping its prefix (``chained_<i>.optimizer.state.<s>.<key>``,
+the names Megatron gives the ``fully_reshardable`` form). Buckets under any other
+prefix, items and ``common.pt`` entries that are not JSON are not decoded: the
+import refuses them, naming them and their files, unless ``skip`` names them (then
+the checkpoint records them as skipped, :class:`~reshard.store.frontends.sources.Skips`).
 
 ``.metadata`` is read with the DCP import's restricted unpickler, Megatron's
 own classes (its save plan) becoming inert stand-ins; items and ``common.pt``
@@ -51,7 +53,7 @@ from ...write.writer import create, single_process
 from ..sources import Skips, dcp_source, refuse_empty, source_path
 from ..torch.dcp import _dcp_item, _DCPMetadataUnpickler, _regroup, read_dcp_metadata
 from ..torch.pt_files import load_pt, plain, stub_class
-from .buckets import BUCKET_OBJECTS, PREFIXED_BUCKETS, is_bucket_key, place_buckets
+from .buckets import PREFIXED_BUCKETS, chained_prefix, is_bucket_key, is_bucket_object, place_chained_buckets
 
 
 class _MegatronMetadataUnpickler(_DCPMetadataUnpickler):
@@ -127,8 +129,8 @@ def import_megatron(src: str, dst: str, *, skip: Sequence[str] = (), **options: 
     src, dst : str
         The ``torch_dist`` folder, and the new checkpoint.
     skip : sequence of str
-        What the import may leave out (globs or dotted prefixes): a ``ChainedOptimizer``'s flat buckets
-        (``"chained_0.optimizer.distributed"``), items or ``common.pt`` entries that are not JSON. Anything
+        What the import may leave out (globs or dotted prefixes): items or ``common.pt`` entries that are not
+        JSON, flat buckets under a prefix that is not a ``ChainedOptimizer``'s. Anything
         else not decoded raises :class:`FormatError`, naming it and its files; what is skipped is recorded in
         the leaf ``reshard.skipped``.
     **options
@@ -170,14 +172,14 @@ def import_megatron(src: str, dst: str, *, skip: Sequence[str] = (), **options: 
     chained: dict[str, set[str]] = {}
     metadata_file = f"{folder}/.metadata"
     with _described_by(metadata_file):
-        buckets = place_buckets(store, md, where)
+        buckets = place_chained_buckets(store, md, where)
     for name, bucket in buckets.items():
         layouts[name], dtypes[name] = bucket.layout, bucket.dtype
     for fqn, item in md.state_dict_metadata.items():
-        if is_bucket_key(fqn) or (buckets and BUCKET_OBJECTS.fullmatch(fqn)):
+        if is_bucket_key(fqn) or (buckets and is_bucket_object(fqn)):
             continue  # read by place_buckets: the state is imported per parameter
         prefixed = PREFIXED_BUCKETS.fullmatch(fqn)
-        if prefixed:
+        if prefixed and not chained_prefix(fqn):
             chained.setdefault(f"{prefixed.group(1)}.optimizer.distributed", set()).update(files.get(fqn, ()))
             continue
         if not hasattr(item, "chunks"):
@@ -198,8 +200,8 @@ def import_megatron(src: str, dst: str, *, skip: Sequence[str] = (), **options: 
         dtypes[fqn] = str(item.properties.dtype).removeprefix("torch.")
     for family, held in sorted(chained.items()):
         skips.add(family, f"{folder}: the flat optimizer buckets {family}.* (in {', '.join(sorted(held))})",
-                  "they are a ChainedOptimizer's dp_reshardable state (one optimizer per parameter group, as an "
-                  "MoE model's expert parameters get), which reshard does not decode yet")
+                  "they are flat dp_reshardable buckets under a prefix that is not a ChainedOptimizer's "
+                  "(chained_<i>.), which reshard does not decode")
     leaves = _regroup(items, getattr(md, "planner_data", None) or {}, layouts)
     if os.path.isfile(os.path.join(folder, "common.pt")):
         common = load_pt(os.path.join(folder, "common.pt"), prefixes=("megatron.", "argparse."))
