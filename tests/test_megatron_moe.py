@@ -25,6 +25,7 @@ import pytest
 import reshard.store as rs
 from reshard.layouts import FlatLayout
 from reshard.layouts.errors import FormatError, UnsupportedError
+from reshard.store.cli import main
 from reshard.store.frontends.megatron import export_megatron, import_megatron
 from test_megatron_forms import MC_PYTHON, _has_megatron
 
@@ -185,7 +186,6 @@ def test_grouped_mlp_fully_reshardable_imports_in_model_space(tmp_path):
 def test_buckets_under_another_prefix_are_refused_unless_skipped(tmp_path, capsys):
     """Flat buckets under a prefix that is not a ChainedOptimizer's are not decoded: refused, naming them and
     their files; --skip imports the rest and records what it left out (reshard inspect shows it)."""
-    from reshard.store.cli import main
 
     folder = tmp_path / "src"
     shutil.copytree(DATA / "moe_dp_reshardable", folder)
@@ -215,7 +215,6 @@ def test_docs_moe_recipe_runs_as_written(tmp_path, monkeypatch, capsys):
     """docs/megatron.md's MoE commands, each line run through the CLI next to a copy of the sample."""
     import shlex
 
-    from reshard.store.cli import main
     from test_docs import DOCS, blocks
 
     monkeypatch.chdir(tmp_path)
@@ -275,11 +274,14 @@ def test_real_megatron_loads_the_moe_export_at_another_parallelism(tmp_path, sam
 @needs_megatron
 @pytest.mark.parametrize("sample", ["moe_dp_reshardable", "moe_fully_reshardable", "moe_tp2_dp_reshardable"])
 def test_resumed_moe_training_has_the_uninterrupted_losses(tmp_path, sample):
-    """Issue 36 item 4: the EP=2 job's save (TP=1 or 2), imported and exported (ep=1), loaded by a job at TP=1 x EP=1
-    that trains two steps: its losses equal bit for bit those of the same job given the saving job's state directly
-    (no checkpoint), and so does everything it then holds."""
-    import_megatron(str(DATA / sample), str(tmp_path / "rs"))
-    export_megatron(str(tmp_path / "rs"), str(tmp_path / "mc"), ep=1)
+    """Issue 36 item 4: the EP=2 job's save (TP=1 or 2), imported, redivided to TP=1 x EP=1 by Megatron's names and
+    exported (--ep 1), each by one command, loaded by a job at TP=1 x EP=1 that trains two steps: its losses equal bit
+    for bit those of the same job given the saving job's state directly (no checkpoint), and so does everything it
+    then holds."""
+    assert main(["import", "megatron", str(DATA / sample), str(tmp_path / "rs")]) == 0
+    assert main(["redivide", str(tmp_path / "rs"), str(tmp_path / "ep1"), "--preset", "megatron", "--tp", "1",
+                 "--ep", "1"]) == 0
+    assert main(["export", "megatron", str(tmp_path / "ep1"), str(tmp_path / "mc"), "--ep", "1"]) == 0
     common = ("1", "1", "1", "2")  # TP, EP, world, steps
     _load_moe("load", str(tmp_path / "mc"), str(tmp_path / "a.npz"), *common, str(tmp_path / "a.json"))
     _load_moe("reference", str(DATA / f"reference_{sample}.npz"), str(tmp_path / "b.npz"), *common,
