@@ -159,7 +159,18 @@ def _marked() -> list[tuple[str, str]]:
                    if b.setting is not None})
 
 
-@pytest.mark.parametrize(("page", "setting"), _marked())
+#: (page, setting) pairs that fail for a known bug of reshard outside the docs: strict, so the fix shows (XPASS
+#: fails) and the entry goes.
+KNOWN_BUGS = {
+    ("docs/training.md", "fsdp2-tp"): "TorchCheckpointManager on FSDP2 + TP: a parameter only FSDP shards "
+    "(lm_head, on mesh['dp']) gets a layout over its own submesh's ranks, so the commit fails: 'ranks 0 and 1 "
+    "disagree on the layout of 'model.lm_head.weight'' (rt.save records it over the root mesh and passes)",
+}
+
+
+@pytest.mark.parametrize(("page", "setting"), [
+    pytest.param(*pair, marks=pytest.mark.xfail(reason=KNOWN_BUGS[pair], strict=True)) if pair in KNOWN_BUGS
+    else pair for pair in _marked()])
 def test_blocks_run_in_their_setting(page: str, setting: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     """The blocks of a page that name a setting, in page order, run there; the setting checks what they promise."""
     assert setting in SETTINGS, f"{page}: unknown docs-test setting {setting!r}; known: {sorted(SETTINGS)}"
