@@ -46,6 +46,7 @@ SETTINGS = {
     "s3": docsettings.s3,                        # the loopback moto S3 server of tests/conftest.py
     "torch": docsettings.torch_one,              # one process: a tiny Llama, its checkpoint and DCP save
     "script": docsettings.script,                # the block is a file: python example.py, printing what is shown
+    "cli": docsettings.cli,                      # console blocks: each `$ reshard ...` line, on reshard demo's files
 }
 MARKER = re.compile(r"<!--\s*docs-test:\s*(?P<kind>skip|setting|covered-by)\b(?P<arg>.*?)-->")
 FENCE = re.compile(r"^```(?P<lang>\S*)\s*$")
