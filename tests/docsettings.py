@@ -73,9 +73,10 @@ def fsdp2_tp(page: str, blocks: list[Any], tmp_path: Path, request: Any) -> None
     records (leaf ``step`` or ``epoch``); after the blocks, a ``state`` recording a step holds the model of that
     step (a load restored it); every ``dcp.async_save`` overlapped the loop's next forward (its write waits, at
     most ``OVERLAP_WAIT`` s, until one ran); the job ends within its timeout."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
     import torchproc
 
-    pytest.importorskip("transformers")
     tmp = str(tmp_path)
     torchproc.run(_fsdp2_tp_rank, 4, page, _codes(blocks, f"{tmp}/bucket", tmp), tmp, timeout=600)
 
@@ -182,11 +183,11 @@ def torch_one(page: str, blocks: list[Any], tmp_path: Path, request: Any) -> Non
     its state dict (``rt.save``), ``"/ckpts/dcp/step-1000"`` the same state saved by torch's ``dcp.save``.
     Checked: every committed checkpoint and every ``*.pt``/``*.safetensors`` file the blocks wrote holds the
     model's values (under ``model.``)."""
-    import torch
-
+    pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     import reshard.store as rs
     import reshard.torch as rt
+    import torch
     import torch.distributed.checkpoint as dcp
 
     torch.manual_seed(0)
@@ -251,6 +252,9 @@ def jax_8_devices(page: str, blocks: list[Any], tmp_path: Path, request: Any) ->
     (4, 2) mesh, ``state = {"params": {"w": params}, "step": 0}``... see :func:`_jax_names`. Checked: each block
     prints what the page shows after it; every committed checkpoint holds the arrays of ``state`` (by dotted
     name); a ``restored`` tree holds ``state["params"]``'s values."""
+    pytest.importorskip("jax")
+    if any("orbax" in b.code for b in blocks):
+        pytest.importorskip("orbax.checkpoint")
     tmp = str(tmp_path)
     spec = tmp_path / "blocks.json"
     spec.write_text(json.dumps({"page": page, "codes": _codes(blocks, f"{tmp}/bucket", tmp)}))

@@ -169,9 +169,22 @@ KNOWN_BUGS = {
 }
 
 
-@pytest.mark.parametrize(("page", "setting"), [
-    pytest.param(*pair, marks=pytest.mark.xfail(reason=KNOWN_BUGS[pair], strict=True)) if pair in KNOWN_BUGS
-    else pair for pair in _marked()])
+#: The suites' marks of the settings that need a framework.
+SETTING_MARKS = {"fsdp2-tp": pytest.mark.torch, "torch": pytest.mark.torch, "script": pytest.mark.torch,
+                 "jax-8-devices": pytest.mark.jax}
+
+
+def _setting_params() -> list[object]:
+    out = []
+    for page, setting in _marked():
+        marks = [SETTING_MARKS[setting]] if setting in SETTING_MARKS else []
+        if (page, setting) in KNOWN_BUGS:
+            marks.append(pytest.mark.xfail(reason=KNOWN_BUGS[page, setting], strict=True))
+        out.append(pytest.param(page, setting, marks=marks))
+    return out
+
+
+@pytest.mark.parametrize(("page", "setting"), _setting_params())
 def test_blocks_run_in_their_setting(page: str, setting: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     """The blocks of a page that name a setting, in page order, run there; the setting checks what they promise."""
     assert setting in SETTINGS, f"{page}: unknown docs-test setting {setting!r}; known: {sorted(SETTINGS)}"
@@ -193,24 +206,42 @@ def _covering_test(page: str, block: Block) -> str | None:
     return None
 
 
+def uncovered(page: str, text: str) -> list[str]:
+    """What is wrong with the markers of a page's blocks: a python block neither run as pasted (its page in
+    ``PAGES``) nor marked, a skip without a reason, an unknown setting, a covered-by naming no test that reads it."""
+    problems = []
+    for block in blocks(text):
+        where = f"{page}:{block.line}"
+        if block.kind == "skip" and not block.arg:
+            problems.append(f"{where}: a docs-test skip marker needs a reason")
+        elif block.kind == "setting" and block.arg not in SETTINGS:
+            problems.append(f"{where}: unknown docs-test setting {block.arg!r} (known: {sorted(SETTINGS)})")
+        elif block.kind == "covered-by" and (why := _covering_test(page, block)) is not None:
+            problems.append(f"{where}: covered-by: {why}")
+        elif block.kind is None and block.lang == "python" and page.removeprefix("docs/") not in PAGES:
+            problems.append(f"{where}: a python block neither run nor skipped (add the page to PAGES, or a marker "
+                            "'<!-- docs-test: setting NAME | covered-by tests/FILE.py::TEST | skip REASON -->')")
+    return problems
+
+
 def test_every_python_block_is_run_or_skipped() -> None:
     """Every python block of README.md and docs/*.md runs as pasted, runs in a known setting, is run by a named
     test, or is skipped with a reason: a new block without any of these fails here."""
-    missing = []
-    for page in all_pages():
-        for block in blocks((ROOT / page).read_text()):
-            where = f"{page}:{block.line}"
-            if block.kind == "skip":
-                assert block.arg, f"{where}: a docs-test skip marker needs a reason"
-            elif block.kind == "setting":
-                assert block.arg in SETTINGS, f"{where}: unknown docs-test setting {block.arg!r}"
-            elif block.kind == "covered-by":
-                why = _covering_test(page, block)
-                assert why is None, f"{where}: covered-by: {why}"
-            elif block.lang == "python" and page.removeprefix("docs/") not in PAGES:
-                missing.append(where)
-    assert not missing, ("python blocks neither run nor skipped (add the page to PAGES, or a marker "
-                         f"'<!-- docs-test: setting NAME | covered-by TEST | skip REASON -->'): {missing}")
+    problems = [p for page in all_pages() for p in uncovered(page, (ROOT / page).read_text())]
+    assert not problems, "\n".join(problems)
+
+
+def test_uncovered_blocks_are_found() -> None:
+    readme = "tests/test_docs.py::test_readme_quick_start_by_values"
+    text = ("```python\na = 1\n```\n<!-- docs-test: setting nowhere -->\n```python\nb = 2\n```\n"
+            f"<!-- docs-test: covered-by {readme} -->\n```python\nc = 3\n```\n"
+            "<!-- docs-test: covered-by tests/test_docs.py::test_nothing -->\n```python\nd = 4\n```\n"
+            "<!-- docs-test: setting s3 -->\n```python\ne = 5\n```\n```bash\nls\n```\n")
+    assert [p.split(": ", 1)[0] for p in uncovered("docs/new.md", text)] == [
+        "docs/new.md:2", "docs/new.md:6", "docs/new.md:10", "docs/new.md:14"]  # c's test does not read new.md
+    assert [p.split(": ", 1)[0] for p in uncovered("README.md", text)] == [
+        "README.md:2", "README.md:6", "README.md:14"]
+    assert uncovered("docs/usage.md", text)[0].startswith("docs/usage.md:6: unknown docs-test setting")
 
 
 # -------------------------------------------- the interop recipes, by values (issue 23 item 1)
