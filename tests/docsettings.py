@@ -41,9 +41,9 @@ def fill(code: str, bucket: str, tmp: str) -> str:
     return code
 
 
-def _run(page: str, line: int, code: str, scope: dict[str, Any], output: str | None = None) -> None:
+def run(page: str, line: int, code: str, scope: dict[str, Any], output: str | None = None) -> None:
     """Run one block in ``scope`` (tracebacks name the page's lines); with ``output``, what it prints must be
-    that text (line order free when the page says so: "the lines come in any order" is not checked here)."""
+    that text (leading and trailing blank space aside)."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         exec(compile("\n" * (line - 1) + code, str(ROOT / page), "exec"), scope)
@@ -157,7 +157,7 @@ def _fsdp2_tp_rank(rank: int, world: int, port: int, page: str, codes: list[tupl
         "state_dict": {"model": model_sd, "optim": optim_sd, "step": 0}, "msd": model_sd, "osd": optim_sd,
         "loss": torch.tensor(4.25), "root": f"{tmp}/bucket/run-8", "storage_options": None}
     for line, code, output in codes:
-        _run(page, line, code, scope, output if rank == 0 else None)
+        run(page, line, code, scope, output if rank == 0 else None)
     if hasattr(scope.get("mgr"), "close"):
         scope["mgr"].close()
     assert all(overlapped), f"{page}: an async save's write did not overlap a training step ({overlapped})"
@@ -204,7 +204,7 @@ def torch_one(page: str, blocks: list[Any], tmp_path: Path, request: Any) -> Non
     os.chdir(tmp_path)
     try:
         for line, code, output in _codes(blocks, str(tmp_path / "bucket"), str(tmp_path)):
-            _run(page, line, code, scope, output)
+            run(page, line, code, scope, output)
     finally:
         os.chdir(cwd)
     found = committed(tmp_path)
@@ -295,7 +295,7 @@ def _jax_main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     scope = _jax_names()
     for line, code, output in spec["codes"]:
-        _run(spec["page"], line, code, scope, output)
+        run(spec["page"], line, code, scope, output)
     if hasattr(scope.get("mgr"), "close"):
         scope["mgr"].close()
     want = {n: np.asarray(v) for n, v in _flat(scope["state"]).items() if hasattr(v, "shape")}
@@ -343,7 +343,7 @@ def s3(page: str, blocks: list[Any], tmp_path: Path, request: Any) -> None:
     try:
         managers = []
         for line, code, output in _codes(blocks, f"s3://{bucket}", str(tmp_path)):
-            _run(page, line, code, scope, output)
+            run(page, line, code, scope, output)
             if isinstance(scope.get("mgr"), rs.CheckpointManager) and scope["mgr"] not in managers:
                 managers.append(scope["mgr"])
         for mgr in managers:

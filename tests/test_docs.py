@@ -2,7 +2,8 @@
 
 Every fenced ``python`` block of a page in ``PAGES`` runs, in page order, in one
 namespace per page and in a fresh working directory, as a reader pasting them one
-after the other would. A marker on the line just before a block's fence says
+after the other would; a block followed by an unlabelled fence (its output) must
+print that text. A marker on the line just before a block's fence says
 otherwise, and every python block of every page and README is either run as pasted
 or carries one (``test_every_python_block_is_run_or_skipped``):
 
@@ -118,11 +119,6 @@ def all_pages() -> list[str]:
     return ["README.md", *(f"docs/{p.name}" for p in sorted(DOCS.glob("*.md")))]
 
 
-def run_block(block: Block, page: str, scope: dict[str, object], code: str | None = None) -> None:
-    """Run a block's code (or ``code``, its filled-in form) in ``scope``; tracebacks name the page's lines."""
-    exec(compile("\n" * (block.line - 1) + (block.code if code is None else code), str(ROOT / page), "exec"), scope)
-
-
 @pytest.mark.parametrize("page", PAGES)
 def test_page_runs_as_pasted(page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
@@ -133,7 +129,7 @@ def test_page_runs_as_pasted(page: str, tmp_path: Path, monkeypatch: pytest.Monk
             continue
         if block.kind is not None:  # skipped, run in a setting or by another test: checked below
             continue
-        run_block(block, f"docs/{page}", scope)
+        docsettings.run(f"docs/{page}", block.line, block.code, scope, block.output)  # prints what it shows
         ran += 1
     assert ran, f"docs/{page} has no python block that runs"
     # an example that asks for optimizer sharding shows it taking effect (issue 14 item 9:
