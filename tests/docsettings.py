@@ -69,10 +69,11 @@ def fsdp2_tp(page: str, blocks: list[Any], tmp_path: Path, request: Any) -> None
     model and optimizer state dicts, ``state_dict`` DCP's state dict (both and ``"step": 0``), ``epoch = step =
     0``, ``loss`` a loss tensor, ``root`` a manager root; ``"s3://bucket/"`` is a local folder.
 
-    Checked on every rank: each committed checkpoint holds the model's values after the optimizer step it
-    records (leaf ``step`` or ``epoch``); after the blocks, a ``state`` recording a step holds the model of that
-    step (a load restored it); every ``dcp.async_save`` overlapped the loop's next forward (its write waits, at
-    most ``OVERLAP_WAIT`` s, until one ran); the job ends within its timeout."""
+    Checked on every rank: each committed checkpoint holds the model's values and AdamW moments after the
+    optimizer step it records (leaf ``step`` or ``epoch``); after the blocks, a ``state`` recording a step holds
+    the model and moments of that step (a load restored them); every ``dcp.async_save`` overlapped the loop's
+    next forward (its write waits, at most ``OVERLAP_WAIT`` s, until one ran); the job ends within its
+    timeout."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     import torchproc
@@ -103,12 +104,21 @@ def _llama() -> tuple[Any, Any]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def _full(model: Any) -> dict[str, np.ndarray]:
-    """The model's parameters, whole (torch's own ``full_tensor``: a collective of every rank)."""
+def _full(model: Any, optimizer: Any) -> dict[str, np.ndarray]:
+    """The model's parameters and AdamW moments, whole (torch's own ``full_tensor``: a collective of every
+    rank), by their names in a checkpoint of ``{"model": msd, "optim": osd}``."""
     from torch.distributed.tensor import DTensor
 
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().numpy().copy()
-            for n, p in model.named_parameters()}
+    def whole(t: Any) -> np.ndarray:
+        return (t.full_tensor() if isinstance(t, DTensor) else t).detach().numpy().copy()
+
+    out = {}
+    for name, p in model.named_parameters():
+        out[f"model.{name}"] = whole(p)
+        for moment in ("exp_avg", "exp_avg_sq"):
+            if moment in optimizer.state.get(p, {}):
+                out[f"optim.state.{name}.{moment}"] = whole(optimizer.state[p][moment])
+    return out
 
 
 def _recorded_step(leaves: Any, where: str) -> int:
@@ -129,10 +139,11 @@ def _fsdp2_tp_rank(rank: int, world: int, port: int, page: str, codes: list[tupl
     torchproc.init(rank, world, port)
     os.chdir(tmp)
     model, optimizer = _llama()
-    after = [_full(model)]  # after[k]: the model after k optimizer steps (not counting the step with lr 0 that
-    # torch's get_state_dict/set_state_dict take to create an empty optimizer's state)
+    # after[k]: model and moments after k optimizer steps (not counting the step with lr 0 that torch's
+    # get_state_dict/set_state_dict take to create an empty optimizer's state)
+    after = [_full(model, optimizer)]
     optimizer.register_step_post_hook(
-        lambda opt, *_: after.append(_full(model)) if float(opt.param_groups[0]["lr"]) else None)
+        lambda opt, *_: after.append(_full(model, optimizer)) if float(opt.param_groups[0]["lr"]) else None)
     forwards, started, overlapped = [0], [], []
     model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     real_async_save, real_write = dcp.async_save, StorageWriter.write_data
@@ -167,11 +178,12 @@ def _fsdp2_tp_rank(rank: int, world: int, port: int, page: str, codes: list[tupl
         ckpt = rs.open(str(url))
         k = _recorded_step(ckpt.leaves, str(url))
         for name, want in after[k].items():
-            np.testing.assert_array_equal(ckpt[f"model.{name}"].read(), want, err_msg=f"{page}: {url} {name}")
+            np.testing.assert_array_equal(ckpt[name].read(), want, err_msg=f"{page}: {url} {name}")
     state = scope.get("state")
     if isinstance(state, dict):  # what a block loaded into the model
         k = _recorded_step(state, f"{page}: the state the blocks loaded")
-        now = _full(model)
+        now = _full(model, optimizer)
+        assert set(now) >= set(after[k]), f"{page}: the load lost {sorted(set(after[k]) - set(now))}"
         for name, want in after[k].items():
             np.testing.assert_array_equal(now[name], want, err_msg=f"{page}: loaded step {k}: {name}")
     torchproc.done()
