@@ -243,8 +243,11 @@ def torch_one(page: str, blocks: list[Any], tmp_path: Path, request: Any) -> Non
 # ---------------------------------------------------------------------------------------------- script
 def script(page: str, blocks: list[Any], tmp_path: Path, request: Any) -> None:
     """Each block is a file, run as ``python example.py`` in a fresh folder (``OMP_NUM_THREADS=1``): it exits 0
-    and prints the lines the page shows after it, in any order (ranks print as they finish)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    and prints the lines the page shows after it, in any order (ranks print as they finish). Output is buffered,
+    Python's default (``PYTHONUNBUFFERED`` unset): unbuffered, ranks' ``print`` calls write a line and its
+    newline apart, and lines of several processes interleave."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env["OMP_NUM_THREADS"] = "1"
     for block in blocks:
         assert block.output is not None, f"{page}:{block.line}: a script block shows its output after it"
         folder = tmp_path / f"line-{block.line}"
