@@ -194,7 +194,7 @@ def torch_one(page: str, blocks: list[Any], tmp_path: Path, request: Any) -> Non
     """One process, no torch.distributed: ``model`` a tiny transformers Llama, ``url`` a reshard checkpoint of
     its state dict (``rt.save``), ``"/ckpts/dcp/step-1000"`` the same state saved by torch's ``dcp.save``.
     Checked: every committed checkpoint and every ``*.pt``/``*.safetensors`` file the blocks wrote holds the
-    model's values (under ``model.``)."""
+    model's values (under ``model.``), and so does a model the blocks load as ``inference``."""
     pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     import reshard.store as rs
@@ -227,6 +227,10 @@ def torch_one(page: str, blocks: list[Any], tmp_path: Path, request: Any) -> Non
         ckpt = rs.open(str(url_))
         for name, value in want.items():
             np.testing.assert_array_equal(ckpt[name].read(), value, err_msg=f"{page}: {url_} {name}")
+    if "inference" in scope:  # a model the blocks loaded from their export (from_pretrained)
+        got = {f"model.{k}": v.detach().numpy() for k, v in scope["inference"].state_dict().items()}
+        for name, value in want.items():
+            np.testing.assert_array_equal(got[name], value, err_msg=f"{page}: the model loaded back: {name}")
     for path in files:
         if path.suffix == ".pt":
             fresh = transformers.LlamaForCausalLM(cfg)

@@ -158,11 +158,7 @@ def _marked() -> list[tuple[str, str]]:
 
 #: (page, setting) pairs that fail for a known bug of reshard outside the docs: strict, so the fix shows (XPASS
 #: fails) and the entry goes.
-KNOWN_BUGS = {
-    ("docs/training.md", "fsdp2-tp"): "TorchCheckpointManager on FSDP2 + TP: a parameter only FSDP shards "
-    "(lm_head, on mesh['dp']) gets a layout over its own submesh's ranks, so the commit fails: 'ranks 0 and 1 "
-    "disagree on the layout of 'model.lm_head.weight'' (rt.save records it over the root mesh and passes)",
-}
+KNOWN_BUGS: dict[tuple[str, str], str] = {}
 
 
 #: The suites' marks of the settings that need a framework.
