@@ -7,7 +7,9 @@ HTTP request on a keep-alive connection costs one round trip before its first re
 whatever the connection carried before (one RTT per request, not per connection), while a
 long upload or download streams at the link's rate (the delay is a pipeline, not a pause).
 A new connection costs one more round trip, as a TCP handshake does: its first bytes go
-upstream no earlier than ``2 * rtt`` after it was accepted.
+upstream no earlier than ``2 * rtt`` after it was accepted. ``--conn-mbit`` caps what one
+connection downloads (an object store gives each connection a fraction of the link; here TCP
+itself sees no delay, so without the cap one connection could fill the link).
 
 No HTTP parsing happens here: bytes are relayed, so keep-alive, pipelining, chunked bodies
 and ``Expect: 100-continue`` behave as with a direct connection. The script imports nothing
@@ -26,6 +28,7 @@ import threading
 import time
 
 _CHUNK = 1 << 20
+_PACED_CHUNK = 64 << 10
 
 
 def _nodelay(sock: socket.socket) -> None:
@@ -35,8 +38,9 @@ def _nodelay(sock: socket.socket) -> None:
 class _Pipe:
     """One client connection relayed to one upstream connection."""
 
-    def __init__(self, client: socket.socket, upstream: tuple[str, int], rtt: float) -> None:
+    def __init__(self, client: socket.socket, upstream: tuple[str, int], rtt: float, conn_rate: float) -> None:
         self.client = client
+        self.conn_rate = conn_rate
         self.upstream_addr = upstream
         self.rtt = rtt
         self.accepted = time.monotonic()
@@ -96,13 +100,22 @@ class _Pipe:
 
     def _upstream_to_client(self) -> None:
         assert self.upstream is not None
-        buf = bytearray(_CHUNK)
+        paced = self.conn_rate > 0
+        buf = bytearray(_PACED_CHUNK if paced else _CHUNK)
         view = memoryview(buf)
+        # Pacing: a token bucket of _PACED_CHUNK * 4 bytes filled at conn_rate bytes/s.
+        tokens, last = float(_PACED_CHUNK * 4), time.monotonic()
         try:
             while True:
                 n = self.upstream.recv_into(buf)
                 if not n:
                     break
+                if paced:
+                    now = time.monotonic()
+                    tokens = min(float(_PACED_CHUNK * 4), tokens + (now - last) * self.conn_rate) - n
+                    last = now
+                    if tokens < 0:
+                        time.sleep(-tokens / self.conn_rate)
                 self.client.sendall(view[:n])
             self.client.shutdown(socket.SHUT_WR)
         except OSError:
@@ -110,11 +123,11 @@ class _Pipe:
                 self.upstream.shutdown(socket.SHUT_RDWR)
 
 
-def _serve(listener: socket.socket, upstream: tuple[str, int], rtt: float) -> None:
+def _serve(listener: socket.socket, upstream: tuple[str, int], rtt: float, conn_rate: float) -> None:
     while True:
         client, _ = listener.accept()
         _nodelay(client)
-        threading.Thread(target=_Pipe(client, upstream, rtt).run, daemon=True).start()
+        threading.Thread(target=_Pipe(client, upstream, rtt, conn_rate).run, daemon=True).start()
 
 
 def _addr(text: str) -> tuple[str, int]:
@@ -127,13 +140,16 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rtt", type=float, required=True, help="seconds added to each request")
     parser.add_argument("--route", action="append", required=True, help="LISTEN_HOST:PORT=UPSTREAM_HOST:PORT")
+    parser.add_argument("--conn-mbit", type=float, default=0.0,
+                        help="cap each connection's downloads at this many Mbit/s (0: no cap)")
     parser.add_argument("--ready", help="file to create once every route listens")
     args = parser.parse_args(argv)
     threads = []
     for route in args.route:
         listen, _, upstream = route.partition("=")
         listener = socket.create_server(_addr(listen), backlog=512)
-        threads.append(threading.Thread(target=_serve, args=(listener, _addr(upstream), args.rtt), daemon=True))
+        serve = (listener, _addr(upstream), args.rtt, args.conn_mbit * 1e6 / 8)
+        threads.append(threading.Thread(target=_serve, args=serve, daemon=True))
     for t in threads:
         t.start()
     if args.ready:

@@ -93,6 +93,9 @@ class ShapedCloud(LocalService):
         Seconds every request waits before it reaches its server (a new connection one more).
     root : path, optional
         Folder nginx serves; by default a fresh temporary one, deleted at :meth:`stop`.
+    conn_mbit : float, optional
+        Cap on what one connection downloads, in Mbit/s (object stores give each connection a
+        fraction of the link); ``None``: one connection can fill the link.
 
     Attributes
     ----------
@@ -103,9 +106,11 @@ class ShapedCloud(LocalService):
     """
 
     def __init__(self, rate_mbit: float = 1000.0, rtt: float = 0.02,
-                 root: str | os.PathLike[str] | None = None) -> None:
-        if rate_mbit <= 0 or rtt < 0:
-            raise ValueError(f"ShapedCloud needs rate_mbit > 0 and rtt >= 0, got {rate_mbit} and {rtt}")
+                 root: str | os.PathLike[str] | None = None, conn_mbit: float | None = None) -> None:
+        if rate_mbit <= 0 or rtt < 0 or (conn_mbit is not None and conn_mbit <= 0):
+            raise ValueError(f"ShapedCloud needs rate_mbit > 0, rtt >= 0 and conn_mbit > 0 or None, got "
+                             f"{rate_mbit}, {rtt} and {conn_mbit}")
+        self.conn_mbit = conn_mbit
         self.rate_mbit = float(rate_mbit)
         self.rtt = float(rtt)
         self._given_root = Path(root) if root is not None else None
@@ -203,7 +208,8 @@ class ShapedCloud(LocalService):
         ready = tmp / "latency.ready"
         self._spawn("latency", sys.executable, latency.__file__, "--rtt", repr(self.rtt),
                     "--route", f"{self.address}:{_HTTP_PORT}=127.0.0.1:{_NGINX_PORT}",
-                    "--route", f"{self.address}:{_S3_PORT}=127.0.0.1:{_MOTO_PORT}", "--ready", str(ready))
+                    "--route", f"{self.address}:{_S3_PORT}=127.0.0.1:{_MOTO_PORT}", "--ready", str(ready),
+                    "--conn-mbit", repr(self.conn_mbit or 0.0))
         deadline = time.monotonic() + 60
         (self.root / ".reshard-cloud-probe").write_bytes(b"ok")
         waiting = {"nginx": self._probe_http, "moto": self._probe_s3}
