@@ -224,3 +224,50 @@ def test_split_range_and_scatter() -> None:
     view = memoryview(out)
     _scatter(parts, [view[:3], view[3:500], view[500:501], view[501:]])
     assert out == data
+
+
+@needs_cloud
+def test_tensorstore_and_zarr_engines_read_over_http(cloud: ShapedCloud) -> None:
+    """TensorStore's http kvstore and zarr-python through fsspec read the directory form from nginx (the
+    kvstore spec once doubled the scheme, http://http://host, and TensorStore waited on that host forever)."""
+    import numpy as np
+    import reshard.store as rs
+    from reshard.store.format.engines import kvstore_spec
+
+    pytest.importorskip("tensorstore")
+    state = {"a": np.arange(60_000, dtype=np.float32).reshape(300, 200), "b": np.ones(7, np.int64)}
+    rs.save(state, cloud.root / "engines", form="directory")
+    ckpt = rs.open(f"{cloud.http_url}/engines", engine="tensorstore")
+    assert kvstore_spec(ckpt.fetcher.storage, "a")["base_url"].startswith(f"{cloud.http_url}/engines/gen-")
+    for engine in ("tensorstore", "zarr"):
+        got = rs.open(f"{cloud.http_url}/engines", engine=engine).read_all()
+        for name, arr in state.items():
+            np.testing.assert_array_equal(got[name], arr)
+
+
+@needs_cloud
+def test_a_killed_owner_leaves_nothing_the_next_cloud_does_not_remove(tmp_path) -> None:
+    """SIGKILL skips atexit: the servers die with their owner and the next cloud deletes the namespace."""
+    pytest.importorskip("moto.server")
+    import signal
+    import sys
+
+    script = tmp_path / "owner.py"
+    script.write_text("import sys, time\nfrom reshard.store.testing import ShapedCloud\n"
+                      "c = ShapedCloud(rate_mbit=100, rtt=0.001).start()\n"
+                      "print(c.namespace, flush=True)\ntime.sleep(120)\n")
+    owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None
+        name = owner.stdout.readline().strip()
+        assert name.startswith("reshard-") and name in _namespaces()
+    finally:
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(timeout=30)
+    with ShapedCloud(rate_mbit=100, rtt=0.001):
+        assert name not in _namespaces()
+    assert f"rs{owner.pid:x}x0h" not in _links()
+    import tempfile
+    from pathlib import Path
+
+    assert not list(Path(tempfile.gettempdir()).glob(f"reshard-cloud-{owner.pid}-*"))

@@ -16,7 +16,9 @@ TensorStore, torch DCP, subprocesses), reaching the servers at the namespace's a
 veth: tests and benchmarks need no ``ip netns exec`` of their own, and everything they send or
 receive crosses the shaped link. Nothing but this veth leads into the namespace; the host's
 ``lo`` and any namespace or qdisc this class did not create are never touched. ``stop`` (also
-called at exit) kills the servers by pid and deletes the veth and the namespace.
+called at exit) kills the servers by pid and deletes the veth and the namespace. A process killed
+outright (no atexit) takes its servers with it (``PR_SET_PDEATHSIG``); the next cloud started on
+the machine deletes the namespace it left (``reshard-<pid>-<n>`` whose pid is gone).
 
 Needs root, ``ip`` and ``tc`` (iproute2) and ``nginx``; :func:`unavailable` says what is missing.
 
@@ -31,6 +33,7 @@ Examples
 from __future__ import annotations
 
 import atexit
+import contextlib
 import http.client
 import itertools
 import os
@@ -74,6 +77,39 @@ def unavailable() -> str | None:
 
 def _which(tool: str) -> str | None:
     return shutil.which(tool) or shutil.which(tool, path="/usr/sbin:/sbin:/usr/bin:/bin")
+
+
+def _die_with_parent() -> None:
+    """In a server's child process before exec: be killed when the process that started it dies (no atexit)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _sweep_orphans() -> None:
+    """Delete what a killed process left of its clouds: namespaces ``reshard-<pid>-<n>`` whose pid is gone.
+
+    Only this class makes such names; their servers died with their owner (``PR_SET_PDEATHSIG``), nginx's
+    workers are killed here, by pid, then the namespace (its veth goes with it).
+    """
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    for line in listed.splitlines():
+        name = line.split()[0] if line.split() else ""
+        parts = name.split("-")
+        if len(parts) != 3 or parts[0] != "reshard" or not parts[1].isdigit() or not parts[2].isdigit():
+            continue
+        if os.path.exists(f"/proc/{parts[1]}"):
+            continue
+        pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True, timeout=30).stdout
+        for pid in pids.split():
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+        subprocess.run(["ip", "link", "del", f"rs{int(parts[1]):x}x{parts[2]}h"], capture_output=True, timeout=30)
+    for folder in Path(tempfile.gettempdir()).glob("reshard-cloud-*-*"):
+        pid = folder.name.split("-")[2]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _run(*cmd: str) -> None:
@@ -136,6 +172,7 @@ class ShapedCloud(LocalService):
         reason = unavailable()
         if reason:
             raise ShapedCloudUnavailable(reason)
+        _sweep_orphans()
         self._started = True
         atexit.register(self.stop)
         try:
@@ -149,7 +186,7 @@ class ShapedCloud(LocalService):
         with _LOCK:
             n = next(_COUNTER)
         pid = os.getpid()
-        self._tmp = tempfile.mkdtemp(prefix="reshard-cloud-")
+        self._tmp = tempfile.mkdtemp(prefix=f"reshard-cloud-{pid}-")
         self.root = self._given_root or Path(self._tmp) / "www"
         self.root.mkdir(parents=True, exist_ok=True)
         self.namespace = f"reshard-{pid}-{n}"
@@ -193,7 +230,7 @@ class ShapedCloud(LocalService):
         assert self._tmp is not None
         log = open(Path(self._tmp) / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
         proc = subprocess.Popen(["ip", "netns", "exec", self.namespace, *cmd], stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
         log.close()
         self._procs.append(proc)
         return proc
