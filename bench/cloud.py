@@ -42,6 +42,28 @@ def _save(url: str, cfg: dict[str, Any], form: str, options: dict[str, Any] | No
     writer.commit()
 
 
+def _dcp_save(path: str, cfg: dict[str, Any]) -> str | None:
+    """W1 saved by 8 DCP ranks (DTensor over gloo, :mod:`bench.tasks_dcp`) into ``path``; an error or None."""
+    from bench.harness import free_port, run_group
+
+    m = run_group("bench.tasks_dcp:Save", 8, {"workload": "w1", "cfg": cfg, "url": path, "mesh": [8],
+                                              "port": free_port()}, reps=1, warmup=0, timeout_s=600)
+    return m.error or None
+
+
+def _dcp_read_all(url: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """DCP's whole read over the link: ``dcp.load(no_dist=True)`` through ``FsspecReader`` (fsspec's http)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    state = {s.name: torch.empty(s.shape, dtype=torch.float32) for s in data.tensors("w1", cfg)}
+    dcp.load(state, storage_reader=FsspecReader(url), no_dist=True)
+    s = data.tensors("w1", cfg)[5]
+    assert np.array_equal(state[s.name].numpy()[:3], data.fill(s.index, (slice(0, 3), slice(0, s.shape[1])), s.dtype))
+    return {}
+
+
 def _goodput(cloud: Any, nbytes: int) -> float:
     """Bytes per second one plain HTTP download gets on the link (the best of 2)."""
     import http.client
@@ -59,9 +81,9 @@ def _goodput(cloud: Any, nbytes: int) -> float:
     return best
 
 
-def _time(fn: Any, reps: int) -> tuple[float, Any]:
+def _time(fn: Any, reps: int, warmup: bool = True) -> tuple[float, Any]:
     """Median wall time of ``reps`` calls after one warm-up (fsspec's HTTP session, imports, connections)."""
-    out = fn()
+    out = fn() if warmup else None
     times = []
     for _ in range(reps):
         t = time.perf_counter()
@@ -71,7 +93,7 @@ def _time(fn: Any, reps: int) -> tuple[float, Any]:
 
 
 def measure(rate: float, rtt_ms: float, cfg: dict[str, Any], reps: int, s3: bool,
-            conn: float | None = None) -> list[dict[str, Any]]:
+            conn: float | None = None, dcp: bool = False) -> list[dict[str, Any]]:
     """Rows of one cloud (rate Mbit/s, RTT ms)."""
     import reshard.store as rs
     from reshard.store.testing import ShapedCloud
@@ -93,6 +115,7 @@ def measure(rate: float, rtt_ms: float, cfg: dict[str, Any], reps: int, s3: bool
             for form in ("packed", "directory"):
                 _save(f"s3://{bucket}/{form}", cfg, form, opts)
                 urls[("s3", form)] = (f"s3://{bucket}/{form}", opts)
+        dcp_error = _dcp_save(str(cloud.root / "dcp"), cfg) if dcp else "not asked (--dcp)"
         for (scheme, form), (url, opts) in urls.items():
             def load(url: str = url, opts: Any = opts) -> Any:
                 ckpt = rs.open(url, storage_options=opts)
@@ -104,26 +127,49 @@ def measure(rate: float, rtt_ms: float, cfg: dict[str, Any], reps: int, s3: bool
                 ckpt.read_all()
                 return ckpt.stats.as_dict()
 
-            for what, fn, need in (("load rank 3 of 7", load, need_rank), ("read_all", read_all, total)):
-                load1 = os.getloadavg()[0]
-                t, stats = _time(fn, reps)
-                floor = need / bw + 3 * rtt_ms / 1000
-                rows.append({"rtt_ms": rtt_ms, "scheme": scheme, "form": form, "what": what, "time": t,
-                             "floor": floor, "ratio": t / floor, "requests": stats.get("requests"),
-                             "bytes": stats.get("bytes_fetched"), "need": need, "goodput_mbit": bw * 8 / 1e6,
-                             "load": (load1 + os.getloadavg()[0]) / 2})
-                print(_row(rows[-1]), flush=True)
+            def ts_load(url: str = url, opts: Any = opts) -> Any:
+                rs.open(url, storage_options=opts, engine="tensorstore").load(target, 3)
+                return {}
+
+            def ts_read_all(url: str = url, opts: Any = opts) -> Any:
+                rs.open(url, storage_options=opts, engine="tensorstore").read_all()
+                return {}
+
+            cases = [("reshard", "load rank 3 of 7", load, need_rank), ("reshard", "read_all", read_all, total)]
+            if form == "directory" and scheme == "http":
+                cases += [("TensorStore", "load rank 3 of 7", ts_load, need_rank),
+                          ("TensorStore", "read_all", ts_read_all, total)]
+            for system, what, fn, need in cases:
+                rows.append(_measure(fn, reps, True, need, bw, rtt_ms, system=system, scheme=scheme, form=form,
+                                     what=what))
+        if dcp_error is None:
+            url = f"{cloud.http_url}/dcp"
+            rows.append(_measure(lambda: _dcp_read_all(url, cfg), 1, False, total, bw, rtt_ms, system="DCP",
+                                 scheme="http", form="DCP (8 files)", what="read_all"))
+        else:
+            print(f"DCP rows skipped: {dcp_error[-400:]}", flush=True)
     return rows
 
 
-HEADER = ("| RTT | scheme | form | what | time (s) | floor (s) | x floor | requests | fetched / needed | load avg |\n"
-          "|---|---|---|---|---|---|---|---|---|---|")
+def _measure(fn: Any, reps: int, warmup: bool, need: int, bw: float, rtt_ms: float, **row: Any) -> dict[str, Any]:
+    load1 = os.getloadavg()[0]
+    t, stats = _time(fn, reps, warmup)
+    floor = need / bw + 3 * rtt_ms / 1000
+    out = {**row, "rtt_ms": rtt_ms, "time": t, "floor": floor, "ratio": t / floor,
+           "requests": (stats or {}).get("requests", ""), "bytes": (stats or {}).get("bytes_fetched"), "need": need,
+           "goodput_mbit": bw * 8 / 1e6, "load": (load1 + os.getloadavg()[0]) / 2}
+    print(_row(out), flush=True)
+    return out
+
+
+HEADER = ("| RTT | system | scheme | form | what | time (s) | floor (s) | x floor | requests | fetched / needed "
+          "| load avg |\n|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def _row(r: dict[str, Any]) -> str:
-    return (f"| {r['rtt_ms']:g} ms | {r['scheme']} | {r['form']} | {r['what']} | {r['time']:.3f} | "
-            f"{r['floor']:.3f} | {r['ratio']:.2f} | {r['requests']} | {r['bytes'] / r['need']:.2f} | "
-            f"{r['load']:.1f} |")
+    ratio = f"{r['bytes'] / r['need']:.2f}" if r.get("bytes") else ""
+    return (f"| {r['rtt_ms']:g} ms | {r['system']} | {r['scheme']} | {r['form']} | {r['what']} | {r['time']:.3f} | "
+            f"{r['floor']:.3f} | {r['ratio']:.2f} | {r['requests']} | {ratio} | {r['load']:.1f} |")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -134,6 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--mib", type=int, default=64, help="W1 size in MiB (16 tensors)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--conn", type=float, help="cap per connection, Mbit/s (default: none)")
+    p.add_argument("--dcp", action="store_true", help="also DCP: saved by 8 gloo ranks, read whole over http")
     p.add_argument("--s3", action="store_true", help="also through moto's S3 (slow: moto reads whole objects)")
     p.add_argument("--out", help="also write the table to this file")
     args = p.parse_args(argv)
@@ -145,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     print(HEADER, flush=True)
     rows = []
     for rtt in args.rtt:
-        rows += measure(args.rate, rtt, cfg, args.reps, args.s3, args.conn)
+        rows += measure(args.rate, rtt, cfg, args.reps, args.s3, args.conn, args.dcp)
     if args.out:
         with open(args.out, "w") as f:
             f.write(HEADER + "\n" + "\n".join(_row(r) for r in rows) + "\n")

@@ -271,3 +271,21 @@ def test_a_killed_owner_leaves_nothing_the_next_cloud_does_not_remove(tmp_path) 
     from pathlib import Path
 
     assert not list(Path(tempfile.gettempdir()).glob(f"reshard-cloud-{owner.pid}-*"))
+
+
+@needs_cloud
+def test_docs_recipe(cloud: ShapedCloud) -> None:
+    """docs/cloud.md's recipe: save into the served folder and read over http; save to S3 and read back."""
+    import numpy as np
+    import reshard.store as rs
+    from reshard.layouts import Layout
+
+    state = {"w": np.arange(4096, dtype=np.float32).reshape(64, 64)}
+    layouts = {"w": Layout.from_dtensor((4,), ["Shard(0)"], (64, 64))}
+    rs.save(state, cloud.root / "ckpt", layouts)
+    ckpt = rs.open(f"{cloud.http_url}/ckpt")
+    np.testing.assert_array_equal(ckpt["w"].read(), state["w"])
+    bucket = cloud.make_bucket()
+    rs.save(state, f"s3://{bucket}/ckpt", layouts, storage_options=cloud.storage_options())
+    back = rs.open(f"s3://{bucket}/ckpt", storage_options=cloud.storage_options())
+    np.testing.assert_array_equal(back.load(layouts, 2)["w"], state["w"][32:48])
