@@ -87,7 +87,7 @@ def test_each_request_costs_one_round_trip_and_keep_alive_holds(cloud: ShapedClo
         assert (status, body) == (206, b"0123456789")
     conn.close()
     assert min(times) >= RTT * 0.95, times
-    assert statistics.median(times) < RTT + 0.015, times  # one RTT a request, not two: the connection was kept
+    assert statistics.median(times) < RTT * 1.9, times  # one RTT a request, not two: the connection was kept
     assert first >= 2 * RTT * 0.95, first
 
 
