@@ -289,3 +289,24 @@ def test_docs_recipe(cloud: ShapedCloud) -> None:
     rs.save(state, f"s3://{bucket}/ckpt", layouts, storage_options=cloud.storage_options())
     back = rs.open(f"s3://{bucket}/ckpt", storage_options=cloud.storage_options())
     np.testing.assert_array_equal(back.load(layouts, 2)["w"], state["w"][32:48])
+
+
+@needs_cloud
+def test_bench_cloud_runs(tmp_path) -> None:
+    """``python -m bench.cloud`` at a tiny size: every reshard and TensorStore row is there, with its floor."""
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("tensorstore")
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from bench import cloud as bench_cloud
+
+    out = tmp_path / "cloud.md"
+    bench_cloud.main(["--rate", "200", "--rtt", "5", "--mib", "1", "--reps", "1", "--out", str(out)])
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| 5 ms")]
+    assert len(rows) == 6, rows  # reshard: 2 forms x 2 reads; TensorStore: directory x 2 reads
+    for line in rows:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert float(cells[5]) > 0 and float(cells[6]) > 0.015  # time, and a floor of at least 3 RTTs
