@@ -42,8 +42,9 @@ def kvstore_spec(storage: Storage, path: str) -> dict[str, Any]:
     if proto in ("gs", "gcs"):
         bucket, _, key = full.partition("/")
         return {"driver": "gcs", "bucket": bucket, "path": key + "/"}
-    if proto in ("http", "https"):
-        return {"driver": "http", "base_url": f"{proto}://{full}"}
+    if proto in ("http", "https"):  # fsspec's HTTP roots keep their scheme (http://host/...)
+        url = full if "://" in full else f"{proto}://{full}"
+        return {"driver": "http", "base_url": url.rstrip("/") + "/"}
     raise FormatError(f"the tensorstore engine cannot reach {storage.url!r} ({proto}://); use engine='fast'")
 
 

@@ -6,7 +6,7 @@ save's generation (more parts, ``packed/<writer>-<n>.bin``, once one holds
 ``max_bytes``), and the plan says where each shard lands. Readers fetch byte ranges of such objects
 with :func:`read_ranges`, which merges ranges of one object whose gap costs less
 than a request (the cost model in docs/performance.md: ``gap`` bytes, about
-64 KiB on local disk and 1 MiB on object stores).
+64 KiB on local disk and 128 KiB on object stores).
 
 A rank's last data object ends with the rank's manifest (``tail`` of
 :func:`write_objects`), so a rank's whole save is one object. Knows nothing of

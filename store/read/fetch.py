@@ -9,7 +9,7 @@ shard. The packed form (:mod:`reshard.store.format.refs`) reads byte ranges of
 the per-rank data objects its references point into: a shard is a range, its
 index the range's last bytes, and ranges of one object are merged across
 shards and tensors by the cost model (a gap of up to ``gap`` bytes is read
-rather than paid for with another request: 64 KiB on local disk, 1 MiB on
+rather than paid for with another request: 64 KiB on local disk, 128 KiB on
 object stores by default), so loading one rank's pieces takes a few requests
 per source object touched.
 """
@@ -55,8 +55,11 @@ Region = tuple[slice, ...]
 #: Byte gap under which two reads of one object become one request, on local disk
 #: (a request costs about as much as reading this many more bytes from the page cache).
 DEFAULT_GAP = 64 << 10
-#: The same on object stores (S3 and the like: tens of ms per request, ~100 MB/s per stream).
-REMOTE_GAP = 1 << 20
+#: The same on object stores. Requests run in parallel, so another request costs its share of the
+#: round trip, ``RTT / connections``, not a whole one: a gap is worth reading while it takes less than
+#: that on the link, ``bandwidth * RTT / connections`` (1 Gbit/s, 20 ms, 24 connections: ~100 KiB).
+#: It was 1 MiB, which on a shaped link (issue 38) made one rank's packed load fetch 1.7x its bytes.
+REMOTE_GAP = 128 << 10
 
 
 class Boxes(tuple):

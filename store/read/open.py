@@ -57,7 +57,7 @@ def open(url: str, *, allow_uncommitted: bool = False, storage_options: dict[str
     gap : int, optional
         Byte gap under which reads of one object are merged into one request:
         the cost model (docs/performance.md). Default 64 KiB on local disk,
-        1 MiB on object stores.
+        128 KiB on object stores.
     retries : int
         Retries of transiently failing remote requests.
     save_id : str or int, optional

@@ -48,12 +48,10 @@ buckets, and :meth:`LocalS3Server.reset` wipes all of them.
 
 from __future__ import annotations
 
-import http.client
-import urllib.parse
 import uuid
 from typing import Any
 
-from .service import REGION, LocalService, s3_storage_options
+from .service import REGION, LocalService, s3_request, s3_storage_options
 
 __all__ = ["LocalS3Server"]
 
@@ -145,18 +143,4 @@ class LocalS3Server(LocalService):
         self._post("/moto-api/reset", method="POST")
 
     def _post(self, path: str, method: str) -> None:
-        url = urllib.parse.urlsplit(self.endpoint_url)
-        conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=30)
-        try:
-            # A minimal SigV4-shaped header lets moto dispatch the call to S3.
-            auth = (
-                "AWS4-HMAC-SHA256 Credential=testing/20000101/us-east-1/s3/aws4_request, "
-                "SignedHeaders=host, Signature=0"
-            )
-            conn.request(method, path, headers={"Authorization": auth, "Content-Length": "0"})
-            resp = conn.getresponse()
-            body = resp.read()
-            if resp.status >= 300:
-                raise RuntimeError(f"{method} {path}: HTTP {resp.status}: {body[:300]!r}")
-        finally:
-            conn.close()
+        s3_request(self.endpoint_url, method, path)

@@ -4,6 +4,8 @@ answer for, and the s3fs options that reach one (:class:`reshard.store.testing.L
 
 from __future__ import annotations
 
+import http.client
+import urllib.parse
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -29,6 +31,28 @@ class LocalService:
                  tb: TracebackType | None) -> None:
         self.stop()
 
+def s3_request(endpoint_url: str, method: str, path: str, timeout: float = 30) -> bytes:
+    """Send one unsigned admin request (``PUT /bucket``, ``POST /moto-api/reset``) to a moto endpoint.
+
+    Raises
+    ------
+    RuntimeError
+        On an HTTP status of 300 or more (the status and the start of the body are named).
+    """
+    url = urllib.parse.urlsplit(endpoint_url)
+    conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=timeout)
+    try:
+        # A minimal SigV4-shaped header lets moto dispatch the call to S3.
+        auth = ("AWS4-HMAC-SHA256 Credential=testing/20000101/us-east-1/s3/aws4_request, "
+                "SignedHeaders=host, Signature=0")
+        conn.request(method, path, headers={"Authorization": auth, "Content-Length": "0"})
+        resp = conn.getresponse()
+        body = resp.read()
+        if resp.status >= 300:
+            raise RuntimeError(f"{method} {path}: HTTP {resp.status}: {body[:300]!r}")
+        return body
+    finally:
+        conn.close()
 
 
 def s3_storage_options(endpoint_url: str, **extra: Any) -> dict[str, Any]:

@@ -1,0 +1,202 @@
+"""W1 over a shaped link (issue 38): one rank's load and a whole read, against the link's floor.
+
+``python -m bench.cloud [--rate 400] [--rtt 5 50] [--mib 64] [--reps 3]`` builds a
+:class:`reshard.store.testing.ShapedCloud` per round-trip time, saves W1-like tensors (16 float32
+tensors, ``Shard(0)`` over 8 ranks) in both storage forms into the folder nginx serves (and, with
+``--s3``, into its S3 bucket), and reads them back over the link from this process:
+
+* ``load rank 3 of 7``: ``open(url).load(Shard(0) over 7, rank=3)`` (open included);
+* ``read_all``: ``open(url).read_all()``.
+
+Each row's floor is ``bytes needed / goodput + RTTs``: the goodput measured on the same link by one
+plain download (``cloud.get``), the RTTs the ones no client can avoid (a new connection's handshake,
+open's marker read, then the data: 3 round trips). Results go to stdout as a markdown table
+(``--out FILE`` writes it too) with the load average while measuring.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from bench import data
+
+
+def _layouts(mesh: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    return {s.name: data.reshard_layout("w1", s, (mesh,)) for s in data.tensors("w1", cfg)}
+
+
+def _save(url: str, cfg: dict[str, Any], form: str, options: dict[str, Any] | None = None) -> None:
+    import reshard.store as rs
+
+    lay = _layouts(8, cfg)
+    specs = data.tensors("w1", cfg)
+    writer = rs.create(url, lay, form=form, overwrite=True, storage_options=options)
+    for rank in range(8):
+        writer.write(rank, {s.name: data.fill(s.index, lay[s.name].region(rank), s.dtype) for s in specs})
+    writer.commit()
+
+
+def _dcp_save(path: str, cfg: dict[str, Any]) -> str | None:
+    """W1 saved by 8 DCP ranks (DTensor over gloo, :mod:`bench.tasks_dcp`) into ``path``; an error or None."""
+    from bench.harness import free_port, run_group
+
+    m = run_group("bench.tasks_dcp:Save", 8, {"workload": "w1", "cfg": cfg, "url": path, "mesh": [8],
+                                              "port": free_port()}, reps=1, warmup=0, timeout_s=600)
+    return m.error or None
+
+
+def _dcp_read_all(url: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """DCP's whole read over the link: ``dcp.load(no_dist=True)`` through ``FsspecReader`` (fsspec's http)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    state = {s.name: torch.empty(s.shape, dtype=torch.float32) for s in data.tensors("w1", cfg)}
+    dcp.load(state, storage_reader=FsspecReader(url), no_dist=True)
+    s = data.tensors("w1", cfg)[5]
+    assert np.array_equal(state[s.name].numpy()[:3], data.fill(s.index, (slice(0, 3), slice(0, s.shape[1])), s.dtype))
+    return {}
+
+
+def _goodput(cloud: Any, nbytes: int) -> float:
+    """Bytes per second one plain HTTP download gets on the link (the best of 2)."""
+    import http.client
+
+    (cloud.root / "goodput.bin").write_bytes(os.urandom(nbytes))
+    conn = http.client.HTTPConnection(cloud.address, 80, timeout=60)
+    cloud.get("/goodput.bin", {"Range": "bytes=0-0"}, conn=conn)
+    best = 0.0
+    for _ in range(2):
+        t = time.perf_counter()
+        cloud.get("/goodput.bin", conn=conn)
+        best = max(best, nbytes / (time.perf_counter() - t - cloud.rtt))
+    conn.close()
+    (cloud.root / "goodput.bin").unlink()
+    return best
+
+
+def _time(fn: Any, reps: int, warmup: bool = True) -> tuple[float, Any]:
+    """Median wall time of ``reps`` calls after one warm-up (fsspec's HTTP session, imports, connections)."""
+    out = fn() if warmup else None
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), out
+
+
+def measure(rate: float, rtt_ms: float, cfg: dict[str, Any], reps: int, s3: bool,
+            conn: float | None = None, dcp: bool = False) -> list[dict[str, Any]]:
+    """Rows of one cloud (rate Mbit/s, RTT ms)."""
+    import reshard.store as rs
+    from reshard.store.testing import ShapedCloud
+
+    rows: list[dict[str, Any]] = []
+    specs = data.tensors("w1", cfg)
+    total = data.total_bytes(specs)
+    target = _layouts(7, cfg)
+    need_rank = sum(int(np.prod([r.stop - r.start for r in target[s.name].region(3)])) * 4 for s in specs)
+    with ShapedCloud(rate_mbit=rate, rtt=rtt_ms / 1000, conn_mbit=conn) as cloud:
+        bw = _goodput(cloud, 16 << 20) if conn is None else rate * 1e6 / 8 * 0.95
+        urls = {}
+        for form in ("packed", "directory"):
+            _save(str(cloud.root / form), cfg, form)
+            urls[("http", form)] = (f"{cloud.http_url}/{form}", None)
+        if s3:
+            bucket = cloud.make_bucket()
+            opts = cloud.storage_options()
+            for form in ("packed", "directory"):
+                _save(f"s3://{bucket}/{form}", cfg, form, opts)
+                urls[("s3", form)] = (f"s3://{bucket}/{form}", opts)
+        dcp_error = _dcp_save(str(cloud.root / "dcp"), cfg) if dcp else "not asked (--dcp)"
+        for (scheme, form), (url, opts) in urls.items():
+            def load(url: str = url, opts: Any = opts) -> Any:
+                ckpt = rs.open(url, storage_options=opts)
+                ckpt.load(target, 3)
+                return ckpt.stats.as_dict()
+
+            def read_all(url: str = url, opts: Any = opts) -> Any:
+                ckpt = rs.open(url, storage_options=opts)
+                ckpt.read_all()
+                return ckpt.stats.as_dict()
+
+            def ts_load(url: str = url, opts: Any = opts) -> Any:
+                rs.open(url, storage_options=opts, engine="tensorstore").load(target, 3)
+                return {}
+
+            def ts_read_all(url: str = url, opts: Any = opts) -> Any:
+                rs.open(url, storage_options=opts, engine="tensorstore").read_all()
+                return {}
+
+            cases = [("reshard", "load rank 3 of 7", load, need_rank), ("reshard", "read_all", read_all, total)]
+            if form == "directory" and scheme == "http":
+                cases += [("TensorStore", "load rank 3 of 7", ts_load, need_rank),
+                          ("TensorStore", "read_all", ts_read_all, total)]
+            for system, what, fn, need in cases:
+                rows.append(_measure(fn, reps, True, need, bw, rtt_ms, system=system, scheme=scheme, form=form,
+                                     what=what))
+        if dcp_error is None:
+            url = f"{cloud.http_url}/dcp"
+            rows.append(_measure(lambda: _dcp_read_all(url, cfg), 1, False, total, bw, rtt_ms, system="DCP",
+                                 scheme="http", form="DCP (8 files)", what="read_all"))
+        else:
+            print(f"DCP rows skipped: {dcp_error[-400:]}", flush=True)
+    return rows
+
+
+def _measure(fn: Any, reps: int, warmup: bool, need: int, bw: float, rtt_ms: float, **row: Any) -> dict[str, Any]:
+    load1 = os.getloadavg()[0]
+    t, stats = _time(fn, reps, warmup)
+    floor = need / bw + 3 * rtt_ms / 1000
+    out = {**row, "rtt_ms": rtt_ms, "time": t, "floor": floor, "ratio": t / floor,
+           "requests": (stats or {}).get("requests", ""), "bytes": (stats or {}).get("bytes_fetched"), "need": need,
+           "goodput_mbit": bw * 8 / 1e6, "load": (load1 + os.getloadavg()[0]) / 2}
+    print(_row(out), flush=True)
+    return out
+
+
+HEADER = ("| RTT | system | scheme | form | what | time (s) | floor (s) | x floor | requests | fetched / needed "
+          "| load avg |\n|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def _row(r: dict[str, Any]) -> str:
+    ratio = f"{r['bytes'] / r['need']:.2f}" if r.get("bytes") else ""
+    return (f"| {r['rtt_ms']:g} ms | {r['system']} | {r['scheme']} | {r['form']} | {r['what']} | {r['time']:.3f} | "
+            f"{r['floor']:.3f} | {r['ratio']:.2f} | {r['requests']} | {ratio} | {r['load']:.1f} |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the rows and print the table."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rate", type=float, default=400.0, help="link rate, Mbit/s")
+    p.add_argument("--rtt", type=float, nargs="+", default=[5.0, 50.0], help="round-trip times, ms")
+    p.add_argument("--mib", type=int, default=64, help="W1 size in MiB (16 tensors)")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--conn", type=float, help="cap per connection, Mbit/s (default: none)")
+    p.add_argument("--dcp", action="store_true", help="also DCP: saved by 8 gloo ranks, read whole over http")
+    p.add_argument("--s3", action="store_true", help="also through moto's S3 (slow: moto reads whole objects)")
+    p.add_argument("--out", help="also write the table to this file")
+    args = p.parse_args(argv)
+    cols = 936
+    rows_per = max(8 * 7, int(args.mib * (1 << 20) / 16 / cols / 4) // 56 * 56)
+    cfg = {"rows": rows_per, "cols": cols, "count": 16}
+    print(f"W1: 16 x {rows_per} x {cols} float32 = {16 * rows_per * cols * 4 / 2**20:.0f} MiB, saved by 8 ranks; "
+          f"link {args.rate:g} Mbit/s, {args.conn or args.rate:g} Mbit/s per connection", flush=True)
+    print(HEADER, flush=True)
+    rows = []
+    for rtt in args.rtt:
+        rows += measure(args.rate, rtt, cfg, args.reps, args.s3, args.conn, args.dcp)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(HEADER + "\n" + "\n".join(_row(r) for r in rows) + "\n")
+
+
+if __name__ == "__main__":
+    main()
