@@ -195,20 +195,24 @@ def test_a_piece_must_be_contiguous():
     assert View((2, 16), (Piece("w", ((1, 2), (3, 5), (0, 16))),)).pieces[0].size == 32
 
 
-def test_the_command_line_and_the_docs_recipe(tmp_path, imported):
-    """docs/megatron.md's recipe, as a user runs it."""
-    src, out = str(imported["dp_reshardable"]), str(tmp_path / "hf")
-    assert main(["export", "llama", src, out, "--heads", "4"]) == 1  # the other three are not in the save
-    assert main(["export", "llama", src, out, "--heads", "4", "--rope-theta", "10000", "--norm-eps", "1e-5",
-                 "--max-positions", "8"]) == 0
-    got, want = exported_tensors(Path(out)), expected("dp_reshardable")
+def test_the_command_line_and_the_docs_recipe(tmp_path, monkeypatch):
+    """docs/megatron.md's recipe ("Export to Hugging Face"), command by command, as a user runs it."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tests/data/megatron/forms").mkdir(parents=True)
+    (tmp_path / "tests/data/megatron/forms/llama_dp_reshardable").symlink_to(DATA / "llama_dp_reshardable")
+    assert main(["import", "megatron", "tests/data/megatron/forms/llama_dp_reshardable", "rs-llama"]) == 0
+    assert main(["export", "llama", "rs-llama", "hf-llama", "--heads", "4"]) == 1  # the other three are not in it
+    assert main(["export", "llama", "rs-llama", "hf-llama", "--heads", "4", "--rope-theta", "10000", "--norm-eps",
+                 "1e-5", "--max-positions", "8"]) == 0
+    got, want = exported_tensors(tmp_path / "hf-llama"), expected("dp_reshardable")
     assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
-    (tmp_path / "base.json").write_text(json.dumps({"num_attention_heads": 4, "rope_theta": 10000.0,
-                                                    "rms_norm_eps": 1e-5, "max_position_embeddings": 8}))
-    assert main(["export", "llama", src, out, "--config", str(tmp_path / "base.json"), "--overwrite"]) == 0
-    model = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32)
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 4, "rope_theta": 10000.0,
+                                                      "rms_norm_eps": 1e-5, "max_position_embeddings": 8}))
+    assert main(["export", "llama", "rs-llama", "hf-llama2", "--config", "config.json"]) == 0
+    assert (tmp_path / "hf-llama2/config.json").read_text() == (tmp_path / "hf-llama/config.json").read_text()
+    model = transformers.LlamaForCausalLM.from_pretrained("hf-llama", dtype=torch.float32)
     assert model.config.num_key_value_heads == GROUPS
-    assert main(["export", src, str(tmp_path / "x.npz"), "--heads", "4"]) == 2  # --heads is the llama export's
+    assert main(["export", "rs-llama", "x.npz", "--heads", "4"]) == 2  # --heads is the llama export's
 
 
 # ------------------------------------------------------------------------------------------------ with Megatron

@@ -10,7 +10,7 @@ when its command runs.
 ``reshard import safetensors SRC DST``,
 ``reshard import mindspore SRC DST [--strategy FILE] [--file NAME]`` and
 ``reshard import oneflow SRC_DIR... DST --placement RANKS --sbp SBP
-[--sbp-for NAME=SBP ...]``; ``reshard export torch|mindspore|deepspeed|megatron|safetensors SRC DST``.
+[--sbp-for NAME=SBP ...]``; ``reshard export torch|mindspore|deepspeed|megatron|safetensors|llama SRC DST``.
 """
 
 from __future__ import annotations

@@ -27,7 +27,11 @@ Commands (``python make_llama.py CMD ...``; run with megatron-core 0.16 and torc
   Megatron-Core 0.16.1's torch-Adam load path: load_export.py's ``keep_step``, and :func:`unshare_step` unless
   ``--shared-step``);
 * ``reference L.json --tp --pp --dp --steps --train``: the uninterrupted run: fresh job, ``--steps`` seeded
-  steps, ``--train`` training steps, no checkpoint.
+  steps, ``--train`` training steps, no checkpoint;
+* ``logits SAVE OUT.npz``: the same model in fp32 at TP1 x PP1 (one process, no Float16Module), its weights
+  loaded from SAVE (``model`` only), run on a seeded ``[BATCH, SEQ]`` token batch: ``tokens``, ``logits``, and
+  the RoPE and norm settings it ran with (``rotary_interleaved``, ``inv_freq``, ``layernorm_epsilon``), for
+  tests/test_megatron_hf.py.
 """
 
 import argparse
