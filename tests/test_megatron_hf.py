@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import reshard.store as rs
 from reshard.layouts.errors import ShapeMismatchError
 from reshard.layouts.megatron_hf import ConversionError, llama_views
 from reshard.layouts.views import Piece, View, check_piece
@@ -157,6 +158,23 @@ def test_a_model_that_is_not_llama_is_refused(tmp_path, sample, named):
     with pytest.raises(ConversionError, match="no place in a Llama model") as e:
         export_llama(str(tmp_path / "rs"), tmp_path / "hf", **{**OPTIONS, "heads": 2})
     assert named in str(e.value)
+
+
+def test_without_output_layer_the_embeddings_are_tied(tmp_path):
+    """share_embeddings_and_output_weights=True saves no output_layer: tie_word_embeddings, and transformers'
+    lm_head is the embedding."""
+    import ml_dtypes
+
+    ref = np.load(DATA / "reference_llama_dp_reshardable.npz")
+    state = {k[len("model/"):]: ref[k].astype(ml_dtypes.bfloat16) for k in ref.files
+             if k.startswith("model/") and k != "model/output_layer.weight"}
+    rs.save(state, str(tmp_path / "rs"))
+    done = export_llama(str(tmp_path / "rs"), tmp_path / "hf", **OPTIONS)
+    assert done["config"]["tie_word_embeddings"] and "lm_head.weight" not in exported_tensors(tmp_path / "hf")
+    model, info = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32,
+                                                                output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    np.testing.assert_array_equal(model.lm_head.weight.detach().numpy(), ref["model/embedding.word_embeddings.weight"])
 
 
 def test_per_layer_names_give_the_same_views():
