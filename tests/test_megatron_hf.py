@@ -90,6 +90,12 @@ def test_exported_tensors_are_megatrons_slices(tmp_path, imported, form):
     for name, arr in want.items():
         np.testing.assert_array_equal(got[name], arr, err_msg=name)
     assert done["config"]["dtype"] == "bfloat16" and done["total_size"] == 2 * sum(a.size for a in want.values())
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "np") as f:
+        leaves = json.loads(f.metadata()["reshard.leaves"])
+    assert leaves["reshard.source"]["format"] == "Megatron-Core torch_dist"
+    assert not any("optimizer" in k for k in leaves)  # the optimizer's param groups are not the model's
 
 
 def test_small_slabs_write_the_same_bytes(tmp_path, imported):

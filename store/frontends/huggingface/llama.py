@@ -20,9 +20,11 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from reshard.layouts.megatron_hf import ConversionError, LlamaSizes, llama_views
+from reshard.layouts.megatron_hf import OPTIMIZER_PREFIXES, ConversionError, LlamaSizes, llama_views
 
+from ...format.tree import json_leaves
 from ...read.checkpoint import Checkpoint
+from ...read.export import FILES_LEAF, METADATA_LEAF
 from ...read.open import open as open_checkpoint
 from .write import DEFAULT_SHARD_SIZE, export_safetensors
 
@@ -125,8 +127,12 @@ def export_llama(src: str | Checkpoint, folder: str | os.PathLike[str], *, heads
                        norm_eps=float(given["rms_norm_eps"]), max_positions=int(given["max_position_embeddings"]),
                        base=base)
     files = {"config.json": (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()}
+    # The files' "reshard.leaves" (the checkpoint's non-tensor leaves) without the optimizer's.
+    model_leaves = {k: v for k, v in ckpt.leaves.items() if not k.startswith((*OPTIMIZER_PREFIXES, "common.optimizer"))
+                    and k not in (METADATA_LEAF, FILES_LEAF)}
+    metadata = {**(options.pop("metadata", None) or {}), "reshard.leaves": json.dumps(json_leaves(model_leaves))}
     done = export_safetensors(ckpt, folder, max_shard_size=max_shard_size, views=views, files=files,
-                              overwrite=overwrite, **options)
+                              overwrite=overwrite, metadata=metadata, **options)
     done["config"] = cfg
     return done
 
