@@ -181,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
             "or into MindSpore per-rank files, a DeepSpeed ZeRO save or a Megatron-Core torch_dist save",
             json_out=False)
     p.usage = ("%(prog)s [-h] [-S KEY=VALUE] [--format F] [--strategy FILE] [--max-shard-size SIZE] [--dp N] "
-               "[--ep N] [--prefix P] [--overwrite] [FORMAT] SRC FILE")
+               "[--ep N] [--prefix P] [--heads H --rope-theta T --norm-eps E --max-positions N | --config F] "
+               "[--overwrite] [FORMAT] SRC FILE")
     p.add_argument("paths", nargs="+", metavar="[FORMAT] SRC FILE",
                    help="FORMAT, if given, is --format (reshard export mindspore SRC DIR --strategy FILE); "
                         "FILE is the output file (a folder for mindspore)")
@@ -205,6 +206,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ep", type=int, default=None, metavar="N",
                    help="megatron only: the expert-parallel size of the loading job, where it changes the "
                         "optimizer's structure (1: one optimizer, a chained import's merged; default: the import's)")
+    p.add_argument("--heads", type=int, default=None, metavar="H",
+                   help="llama only: attention heads (Megatron's num_attention_heads)")
+    p.add_argument("--kv-heads", type=int, default=None, metavar="G",
+                   help="llama only: query groups (read from the shapes; checked when given)")
+    p.add_argument("--rope-theta", type=float, default=None, metavar="THETA",
+                   help="llama only: the RoPE base (Megatron's rotary_base, its default 10000)")
+    p.add_argument("--norm-eps", type=float, default=None, metavar="EPS",
+                   help="llama only: RMSNorm epsilon (Megatron's layernorm_epsilon / --norm-epsilon, default 1e-5)")
+    p.add_argument("--max-positions", type=int, default=None, metavar="N",
+                   help="llama only: max_position_embeddings of config.json (Megatron's --max-position-embeddings)")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="llama only: a Hugging Face config.json to start from (what the options above leave out "
+                        "is taken from it; its sizes must match the tensors')")
     p.add_argument("--prefix", default="", help="torch and safetensors folders: export the tensors under PREFIX, "
                                                 "named without it (--prefix model. gives a file for "
                                                 "model.load_state_dict, or a folder for from_pretrained)")

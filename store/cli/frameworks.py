@@ -10,7 +10,7 @@ when its command runs.
 ``reshard import safetensors SRC DST``,
 ``reshard import mindspore SRC DST [--strategy FILE] [--file NAME]`` and
 ``reshard import oneflow SRC_DIR... DST --placement RANKS --sbp SBP
-[--sbp-for NAME=SBP ...]``; ``reshard export torch|mindspore|deepspeed|megatron|safetensors SRC DST``.
+[--sbp-for NAME=SBP ...]``; ``reshard export torch|mindspore|deepspeed|megatron|safetensors|llama SRC DST``.
 """
 
 from __future__ import annotations
@@ -326,6 +326,29 @@ def _export_safetensors(args: argparse.Namespace, t0: float) -> int:
     return 0
 
 
+def _export_llama(args: argparse.Namespace, t0: float) -> int:
+    """A Megatron-Core Llama-style import as a Hugging Face LlamaForCausalLM folder."""
+    from ..frontends.huggingface import DEFAULT_SHARD_SIZE
+    from ..frontends.huggingface.llama import export_llama
+    from ..read.display import human_bytes
+    from .commands import storage_options
+
+    config = None
+    if args.config:
+        config = json.loads(Path(args.config).read_text())
+        if not isinstance(config, dict):
+            args.parser.error(f"--config {args.config}: not a JSON object")
+    done = export_llama(args.src, args.file, heads=args.heads, kv_heads=args.kv_heads, rope_theta=args.rope_theta,
+                        norm_eps=args.norm_eps, max_positions=args.max_positions, config=config,
+                        max_shard_size=args.max_shard_size or DEFAULT_SHARD_SIZE,
+                        storage_options=storage_options(args.storage_option), overwrite=args.overwrite)
+    cfg = done["config"]
+    print(f"exported a LlamaForCausalLM ({cfg['num_hidden_layers']} layers, {cfg['num_attention_heads']} heads in "
+          f"{cfg['num_key_value_heads']} groups, {human_bytes(done['total_size'])}) to {args.file}: "
+          f"{len(done['files'])} safetensors file(s) and config.json in {time.perf_counter() - t0:.2f} s")
+    return 0
+
+
 def _export_torch(args: argparse.Namespace, t0: float) -> int:
     """One ``torch.save`` file (it needs every tensor in memory at once)."""
     from ..frontends.torch import export_torch
@@ -405,6 +428,7 @@ FRAMEWORKS: dict[str, Framework] = {
                              "model-0000k-of-0000n.safetensors shards); one tensor in memory at a time",
                              run_import=_import_safetensors, run_export=_export_safetensors),
     "oneflow": Framework("oneflow", "docs/oneflow.md", ONEFLOW_HELP, _oneflow_args, _import_oneflow),
+    "llama": Framework("huggingface", "docs/huggingface.md", run_export=_export_llama),
 }
 
 

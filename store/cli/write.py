@@ -149,8 +149,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     fmt = args.format or {".npz": "npz", ".pt": "torch", ".pth": "torch"}.get(Path(args.file).suffix, "safetensors")
     if args.prefix and fmt not in ("torch", "safetensors"):
         args.parser.error("--prefix applies to --format torch and to safetensors folders only")
-    if args.max_shard_size is not None and fmt != "safetensors":
-        args.parser.error("--max-shard-size applies to --format safetensors only")
+    if args.max_shard_size is not None and fmt not in ("safetensors", "llama"):
+        args.parser.error("--max-shard-size applies to --format safetensors and llama only")
+    llama_only = [o for o, v in (("--heads", args.heads), ("--kv-heads", args.kv_heads), ("--rope-theta",
+                  args.rope_theta), ("--norm-eps", args.norm_eps), ("--max-positions", args.max_positions),
+                  ("--config", args.config)) if v is not None]
+    if llama_only and fmt != "llama":
+        args.parser.error(f"{', '.join(llama_only)} apply to the llama format only (this export writes {fmt})")
     if fmt == "mindspore" and not args.strategy:
         args.parser.error("export mindspore needs --strategy FILE (the target strategy)")
     if args.strategy and fmt != "mindspore":

@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from reshard.layouts.errors import BadNameError
+from reshard.layouts.errors import BadNameError, DTypeMismatchError, TensorNotFoundError
+from reshard.layouts.views import View, check_view
 
 from ..format.meta import ArrayMeta
 from ..format.tree import json_leaves
@@ -72,27 +73,69 @@ FILES_LEAF = "__files__"
 
 
 # -------------------------------------------------------------------- plan
-def slabs(meta: ArrayMeta, max_bytes: int) -> list[Region]:
-    """Cut a tensor into regions that are contiguous in C order, each at most ``max_bytes``.
+def slabs(meta: ArrayMeta, max_bytes: int, region: Region | None = None) -> list[Region]:
+    """Cut a tensor (or a ``region`` of it contiguous in C order) into regions that are contiguous in C
+    order, each at most ``max_bytes``.
 
     The first dim whose trailing extent fits is cut; cuts fall on inner-chunk
     boundaries when a slab holds at least one chunk's extent. A single
     element larger than ``max_bytes`` is still one slab.
     """
-    shape = meta.shape
+    region = region or tuple(slice(0, n) for n in meta.shape)
+    base = tuple(r.start for r in region)
+    shape = tuple(r.stop - r.start for r in region)
     if not shape or math.prod(shape) == 0:
-        return [tuple(slice(0, n) for n in shape)]
+        return [region]
     item = meta.np_dtype.itemsize
     d = next(d for d in range(len(shape)) if item * math.prod(shape[d + 1:]) <= max_bytes or d == len(shape) - 1)
     k = max(1, max_bytes // (item * math.prod(shape[d + 1:])))
     if k >= meta.chunk[d]:
         k -= k % meta.chunk[d]
-    tail = tuple(slice(0, n) for n in shape[d + 1:])
+    tail = tuple(slice(b, b + n) for b, n in zip(base[d + 1:], shape[d + 1:], strict=True))
     return [
-        (*(slice(i, i + 1) for i in outer), slice(lo, min(lo + k, shape[d])), *tail)
+        (*(slice(b + i, b + i + 1) for b, i in zip(base, outer, strict=False)),
+         slice(base[d] + lo, base[d] + min(lo + k, shape[d])), *tail)
         for outer in itertools.product(*map(range, shape[:d]))
         for lo in range(0, shape[d], k)
     ]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of the output file: its name there, dtype, shape, and the stored regions (each contiguous
+    in C order) whose bytes, one after the other, are its bytes."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    parts: tuple[tuple[ArrayMeta, Region], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.parts[0][0].np_dtype.itemsize if self.parts else 0
+
+
+def entries_of(ckpt: Checkpoint, names: Iterable[str] | None, rename: Mapping[str, str] | None,
+               views: Mapping[str, View] | None) -> list[Entry]:
+    """The output tensors: stored tensors (renamed), or ``views`` (all, or those of ``names``), checked."""
+    if views is None:
+        metas = [ckpt.tensor(n) for n in (sorted(ckpt.arrays) if names is None else names)]
+        return [Entry(rename.get(m.name, m.name) if rename else m.name, m.dtype, m.shape,
+                      ((m, tuple(slice(0, n) for n in m.shape)),)) for m in metas]
+    out = []
+    for name in (list(views) if names is None else names):
+        if name not in views:
+            raise TensorNotFoundError(f"no view named {name!r} to export")
+        view = views[name]
+        stored = {p.name: ckpt.tensor(p.name) for p in view.pieces}
+        check_view(name, view, {n: m.shape for n, m in stored.items()})
+        dtypes = {m.dtype for m in stored.values()}
+        if len(dtypes) > 1:
+            raise DTypeMismatchError(f"{name}: its pieces are of several dtypes {sorted(dtypes)}")
+        out.append(Entry(name, dtypes.pop() if dtypes else "float32", tuple(view.shape),
+                         tuple((stored[p.name], tuple(slice(lo, hi) for lo, hi in p.region))
+                               for p in view.pieces)))
+    return out
 
 
 @dataclass(frozen=True)
@@ -149,7 +192,8 @@ def export(ckpt: Checkpoint, path: str, format: str = "safetensors", names: Iter
            progress: bool | None = None, *, scheduler: Any = None, budget: int = graph.DEFAULT_BUDGET,
            fusion: int | str | None = None, fuse_bytes: int = graph.DEFAULT_FUSE_BYTES, gap: int | None = None,
            metadata: dict[str, str] | None = None, storage_options: dict[str, Any] | None = None,
-           overwrite: bool = False, rename: Mapping[str, str] | None = None) -> IOStats:
+           overwrite: bool = False, rename: Mapping[str, str] | None = None,
+           views: Mapping[str, View] | None = None) -> IOStats:
     """Stream tensors of a checkpoint into one safetensors or npz file.
 
     Parameters
@@ -183,6 +227,10 @@ def export(ckpt: Checkpoint, path: str, format: str = "safetensors", names: Iter
     rename : mapping, optional
         safetensors only: ``{stored name: name in the file}`` (e.g. without a
         ``"model."`` prefix, for ``from_pretrained``); names not in it are kept.
+    views : mapping, optional
+        safetensors only: write these tensors instead, ``{name in the file: View}`` (each made of regions
+        of stored tensors, :mod:`reshard.layouts.views`), streamed like the others; ``names`` then picks
+        among them.
 
     Returns
     -------
@@ -192,18 +240,20 @@ def export(ckpt: Checkpoint, path: str, format: str = "safetensors", names: Iter
     """
     if format not in ("safetensors", "npz"):
         raise ValueError(f"format must be 'safetensors' or 'npz', got {format!r}")
-    metas = [ckpt.tensor(n) for n in (sorted(ckpt.arrays) if names is None else names)]
-    cap = graph.fusion_cap(fusion)
-    ref = graph.BudgetRef.new(budget)
-    if rename and format != "safetensors":
-        raise ValueError(f"rename= is for safetensors exports, not {format!r}")
+    if (rename or views is not None) and format != "safetensors":
+        raise ValueError(f"rename= and views= are for safetensors exports, not {format!r}")
+    if rename and views is not None:
+        raise ValueError("give rename= or views=, not both (a view is named as it is to be written)")
+    entries = entries_of(ckpt, names, rename, views)
+    metas = [e.parts[0][0] for e in entries]  # npz: one whole stored tensor per entry
     if format == "safetensors":
-        header, offsets = safetensors_header(metas, ckpt.leaves, metadata, rename)
+        header, offsets = safetensors_header(entries, ckpt.leaves, metadata)
     else:
         header, offsets = b"", [0] * len(metas)
+    cap = graph.fusion_cap(fusion)
+    ref = graph.BudgetRef.new(budget)
     per_task = min(fuse_bytes, ref.limit)
-    pieces = [Slab(m, r, off + _flat_offset(m, r)) for m, off in zip(metas, offsets, strict=True)
-              for r in slabs(m, per_task)]
+    pieces = [piece for e, off in zip(entries, offsets, strict=True) for piece in _entry_slabs(e, off, per_task)]
     groups = graph.fuse(pieces, lambda s: s.op.nbytes, cap, per_task)
     source = graph.source_of(ckpt, gap)
     local = is_local_url(str(path))
@@ -223,6 +273,18 @@ def export(ckpt: Checkpoint, path: str, format: str = "safetensors", names: Iter
     return stats
 
 
+def _entry_slabs(entry: Entry, offset: int, per_task: int) -> list[Slab]:
+    """The slabs of one output tensor, each at its file offset: its parts one after the other."""
+    out = []
+    for meta, region in entry.parts:
+        if math.prod(r.stop - r.start for r in region) == 0:
+            continue
+        first = _flat_offset(meta, region)
+        out += [Slab(meta, r, offset + _flat_offset(meta, r) - first) for r in slabs(meta, per_task, region)]
+        offset += math.prod(r.stop - r.start for r in region) * meta.np_dtype.itemsize
+    return out or [Slab(m, r, offset) for m, r in entry.parts[:1]]
+
+
 def _flat_offset(meta: ArrayMeta, region: Region) -> int:
     if not meta.shape or math.prod(meta.shape) == 0:
         return 0
@@ -230,8 +292,8 @@ def _flat_offset(meta: ArrayMeta, region: Region) -> int:
     return int(start) * meta.np_dtype.itemsize
 
 
-def safetensors_header(metas: list[ArrayMeta], leaves: dict[str, Any], metadata: dict[str, str] | None = None,
-                       rename: Mapping[str, str] | None = None) -> tuple[bytes, list[int]]:
+def safetensors_header(entries: list[Entry], leaves: dict[str, Any],
+                       metadata: dict[str, str] | None = None) -> tuple[bytes, list[int]]:
     """The header bytes (length prefix included) and each tensor's absolute file offset.
 
     ``__metadata__``: the imported one (leaf ``"__metadata__"``), ``"format": "pt"``,
@@ -247,16 +309,15 @@ def safetensors_header(metas: list[ArrayMeta], leaves: dict[str, Any], metadata:
     extra.update(metadata or {})
     doc: dict[str, Any] = {"__metadata__": extra}
     pos, starts = 0, []
-    for m in metas:
-        name = rename.get(m.name, m.name) if rename else m.name
-        if name == "__metadata__":
+    for e in entries:
+        if e.name == "__metadata__":
             raise BadNameError("a tensor named '__metadata__' cannot be stored in safetensors")
-        if name in doc:
-            raise BadNameError(f"two tensors would be named {name!r} in the safetensors file")
-        doc[name] = {"dtype": SAFETENSORS_DTYPES[m.dtype], "shape": list(m.shape),
-                       "data_offsets": [pos, pos + m.nbytes]}
+        if e.name in doc:
+            raise BadNameError(f"two tensors would be named {e.name!r} in the safetensors file")
+        doc[e.name] = {"dtype": SAFETENSORS_DTYPES[e.dtype], "shape": list(e.shape),
+                       "data_offsets": [pos, pos + e.nbytes]}
         starts.append(pos)
-        pos += m.nbytes
+        pos += e.nbytes
     raw = json.dumps(doc, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     head = len(raw).to_bytes(8, "little") + raw

@@ -4,6 +4,8 @@
   :func:`import_safetensors`.
 * :mod:`.write`: :func:`export_safetensors` (one file, or numbered shards and their index).
 * :mod:`.folder`: the files kept beside the weights, and replacing a folder whole.
+* :mod:`.llama`: :func:`~.llama.export_llama`, a Megatron-Core Llama-style import as a ``LlamaForCausalLM``
+  folder (``reshard export llama``).
 * :mod:`.presets`: tensor-parallel layouts by parameter name (``reshard redivide --preset``).
 
 MindSpore's safetensors rank files are read with :mod:`.read` too.

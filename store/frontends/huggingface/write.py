@@ -8,12 +8,14 @@ replaces the target at once.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from reshard.layouts.errors import BadNameError, TensorNotFoundError
+from reshard.layouts.views import View
 
 from ...io.replace import replacing
 from ...read.checkpoint import Checkpoint
@@ -60,7 +62,8 @@ def plan_shards(sizes: Iterable[tuple[str, int]], max_bytes: int) -> list[list[s
 def export_safetensors(src: str | Checkpoint, folder: str | os.PathLike[str], *,
                        max_shard_size: int | str = DEFAULT_SHARD_SIZE, names: Iterable[str] | None = None,
                        metadata: Mapping[str, str] | None = None, storage_options: Mapping[str, Any] | None = None,
-                       overwrite: bool = False, prefix: str = "", **options: Any) -> dict[str, Any]:
+                       overwrite: bool = False, prefix: str = "", views: Mapping[str, View] | None = None,
+                       files: Mapping[str, bytes] | None = None, **options: Any) -> dict[str, Any]:
     """Write a checkpoint as Hugging Face safetensors: one file, or shards and their index.
 
     Parameters
@@ -92,6 +95,12 @@ def export_safetensors(src: str | Checkpoint, folder: str | os.PathLike[str], *,
         Export only the tensors whose names start with ``prefix``, named without it: ``"model."`` takes
         the model of a training checkpoint saved as ``{"model": ..., "optim": ...}`` and gives the names
         ``from_pretrained`` expects.
+    views : mapping, optional
+        Write these tensors instead of the stored ones: ``{name: View}``, each made of regions of stored
+        tensors (:mod:`reshard.layouts.views`; e.g. :func:`reshard.layouts.megatron_hf.llama_views`), in
+        this order; ``names`` and ``prefix`` are then not given.
+    files : mapping of str to bytes, optional
+        Files to write beside the weights (``{"config.json": ...}``), in place of kept files of those names.
     **options
         As for :func:`reshard.store.read.export.export` (``budget``, ``scheduler``...).
 
@@ -103,30 +112,49 @@ def export_safetensors(src: str | Checkpoint, folder: str | os.PathLike[str], *,
     """
     opts = dict(storage_options) if storage_options is not None else None
     ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(str(src), storage_options=opts)
+    if views is not None:
+        if names is not None or prefix:
+            raise ValueError("views= gives the tensors and their names: names= and prefix= do not apply")
+        return _write(ckpt, folder, list(views), {n: _view_bytes(ckpt, v) for n, v in views.items()},
+                      max_shard_size, metadata, overwrite, "", dict(views), files, options)
     chosen = list(names) if names is not None else sorted(ckpt.arrays)
     if prefix:
         chosen = [n for n in chosen if n.startswith(prefix)]
         if not chosen:
             raise TensorNotFoundError(f"{ckpt.url} holds no tensor under {prefix!r}")
-    rename = {n: n[len(prefix):] for n in chosen} if prefix else None
     for name in chosen:
         if name == "__metadata__":
             raise BadNameError("a tensor named '__metadata__' cannot be stored in safetensors")
         ckpt.tensor(name)  # a TensorNotFoundError (with close matches) for what is not a tensor
-    shards = plan_shards(((n, ckpt.arrays[n].nbytes) for n in chosen), parse_size(max_shard_size))
-    kept = kept_files(ckpt.leaves, ckpt.url)
+    return _write(ckpt, folder, chosen, {n: ckpt.arrays[n].nbytes for n in chosen}, max_shard_size, metadata,
+                  overwrite, prefix, None, files, options)
+
+
+def _view_bytes(ckpt: Checkpoint, view: View) -> int:
+    dtypes = {ckpt.tensor(p.name).np_dtype.itemsize for p in view.pieces}
+    return math.prod(view.shape) * (dtypes.pop() if len(dtypes) == 1 else 4)
+
+
+def _write(ckpt: Checkpoint, folder: str | os.PathLike[str], chosen: list[str], sizes: dict[str, int],
+           max_shard_size: int | str, metadata: Mapping[str, str] | None, overwrite: bool, prefix: str,
+           views: dict[str, View] | None, files: Mapping[str, bytes] | None,
+           options: dict[str, Any]) -> dict[str, Any]:
+    rename = {n: n[len(prefix):] for n in chosen} if prefix else None
+    shards = plan_shards(((n, sizes[n]) for n in chosen), parse_size(max_shard_size))
+    extra = dict(files or {})
+    kept = [(n, data) for n, data in kept_files(ckpt.leaves, ckpt.url) if n not in extra] + list(extra.items())
     out = os.fspath(folder)
-    files, weight_map = [], {}
+    written, weight_map = [], {}
     total: IOStats | None = None
     with replacing(out, overwrite=overwrite, folder=True) as fresh:
         for k, part in enumerate(shards, 1):
             file = SINGLE_NAME if len(shards) == 1 else SHARD_NAME.format(k=k, n=len(shards))
             stats = ckpt.export(os.path.join(fresh, file), format="safetensors", names=part, metadata=metadata,
-                                rename=rename, **options)
+                                rename=rename, views=views, **options)
             total = stats if total is None else _add(total, stats)
-            files.append(os.path.join(out, file))
+            written.append(os.path.join(out, file))
             weight_map.update(dict.fromkeys((n[len(prefix):] for n in part), file))
-        total_size = sum(ckpt.arrays[n].nbytes for n in chosen)
+        total_size = sum(sizes[n] for n in chosen)
         index = None
         if len(shards) > 1:
             index = os.path.join(out, INDEX_NAME)
@@ -135,7 +163,7 @@ def export_safetensors(src: str | Checkpoint, folder: str | os.PathLike[str], *,
                           sort_keys=True)
                 f.write("\n")
         attached = [os.path.join(out, os.path.basename(p)) for p in write_files(kept, fresh)]
-    return {"files": files, "index": index, "attached": attached, "total_size": total_size, "stats": total}
+    return {"files": written, "index": index, "attached": attached, "total_size": total_size, "stats": total}
 
 
 def _add(a: IOStats, b: IOStats) -> IOStats:

@@ -27,7 +27,11 @@ Commands (``python make_llama.py CMD ...``; run with megatron-core 0.16 and torc
   Megatron-Core 0.16.1's torch-Adam load path: load_export.py's ``keep_step``, and :func:`unshare_step` unless
   ``--shared-step``);
 * ``reference L.json --tp --pp --dp --steps --train``: the uninterrupted run: fresh job, ``--steps`` seeded
-  steps, ``--train`` training steps, no checkpoint.
+  steps, ``--train`` training steps, no checkpoint;
+* ``logits SAVE OUT.npz``: the same model in fp32 at TP1 x PP1 (one process, no Float16Module), its weights
+  loaded from SAVE (``model`` only), run on a seeded ``[BATCH, SEQ]`` token batch: ``tokens``, ``logits``, and
+  the RoPE and norm settings it ran with (``rotary_interleaved``, ``inv_freq``, ``layernorm_epsilon``), for
+  tests/test_megatron_hf.py.
 """
 
 import argparse
@@ -274,6 +278,35 @@ def run_load(rank, port, a):
     dist.destroy_process_group()
 
 
+def run_logits(rank, port, a):
+    """The fp32 model at TP1 x PP1 (no Float16Module), its weights loaded from SAVE, on seeded tokens."""
+    _init(rank, port, 1)
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    cfg = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
+                            ffn_hidden_size=FFN, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                            normalization="RMSNorm", add_bias_linear=False, use_cpu_initialization=True,
+                            params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0)
+    model = GPTModel(cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                     vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=False,
+                     position_embedding_type="rope")
+    msd = model.sharded_state_dict()
+    model.load_state_dict(dist_checkpointing.load({"model": msd}, a.save)["model"])
+    model.eval()
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(77))
+    with torch.no_grad():
+        logits = model(tokens, torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ), None)
+    np.savez(a.out, tokens=tokens.numpy(), logits=logits.float().numpy(),
+             rotary_interleaved=cfg.rotary_interleaved, inv_freq=model.rotary_pos_emb.inv_freq.numpy(),
+             layernorm_epsilon=cfg.layernorm_epsilon)
+    dist.destroy_process_group()
+
+
 def run_reference(rank, port, a):
     _init(rank, port, a.tp * a.pp * a.dp)
     cfg, ddp, opt = build(a.tp, a.pp, a.bucket)
@@ -294,7 +327,7 @@ def _losses(rank, a, losses):
 
 def main(argv):
     p = argparse.ArgumentParser()
-    p.add_argument("cmd", nargs="?", default="samples", choices=["samples", "save", "load", "reference"])
+    p.add_argument("cmd", nargs="?", default="samples", choices=["samples", "save", "load", "reference", "logits"])
     p.add_argument("paths", nargs="*")
     for name, default in (("tp", 2), ("pp", 2), ("dp", 1), ("bucket", 0), ("steps", 2), ("train", 0)):
         p.add_argument(f"--{name}", type=int, default=default)
@@ -318,6 +351,10 @@ def main(argv):
     elif a.cmd == "load":
         a.save, a.out = a.paths
         fn = run_load
+    elif a.cmd == "logits":
+        a.save, a.out = a.paths
+        mp.spawn(run_logits, args=(free_port(), a), nprocs=1)
+        return
     else:
         a.losses = a.losses or a.paths[0]
         fn = run_reference
