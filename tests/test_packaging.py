@@ -203,3 +203,14 @@ def test_s3_and_moto_server_resolve_in_one_pip_command(tmp_path: Path) -> None:
     got = {_name(i["metadata"]["name"]): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
     assert {"s3fs", "aiobotocore", "botocore", "boto3", "moto"} <= set(got)
     assert got["boto3"] == got["botocore"]  # boto3 pins its botocore exactly; aiobotocore accepted it
+
+
+def test_every_package_folder_is_in_the_wheel() -> None:
+    # a folder with an __init__.py that pyproject's packages list lacks is left out of the wheel: imports pass in
+    # a checkout and fail once installed (reshard.layouts.presets did, 2026-11-29)
+    dirs = {(ROOT / folder).resolve(): pkg for pkg, folder in PYPROJECT["tool"]["setuptools"]["package-dir"].items()}
+    found = set()
+    for init in [*(ROOT / "layouts").rglob("__init__.py"), *(ROOT / "store").rglob("__init__.py")]:
+        home = max((d for d in dirs if init.parent == d or d in init.parent.parents), key=lambda d: len(d.parts))
+        found.add(".".join([dirs[home], *init.parent.relative_to(home).parts]))
+    assert found == set(PYPROJECT["tool"]["setuptools"]["packages"])
