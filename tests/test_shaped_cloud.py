@@ -11,6 +11,7 @@ import statistics
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from reshard.store.testing import ShapedCloud, ShapedCloudUnavailable
@@ -289,6 +290,14 @@ def test_docs_recipe(cloud: ShapedCloud) -> None:
     rs.save(state, f"s3://{bucket}/ckpt", layouts, storage_options=cloud.storage_options())
     back = rs.open(f"s3://{bucket}/ckpt", storage_options=cloud.storage_options())
     np.testing.assert_array_equal(back.load(layouts, 2)["w"], state["w"][32:48])
+    # and the page's block itself, as written (a cloud of its own)
+    from test_docs import blocks
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "cloud.md"
+    (code,) = [b.code for b in blocks(page.read_text()) if b.lang == "python" and "ShapedCloud(" in b.code]
+    scope = {"rs": rs, "state": state, "layouts": layouts}
+    exec(code, scope)
+    np.testing.assert_array_equal(scope["whole"]["w"], state["w"])
 
 
 @needs_cloud
