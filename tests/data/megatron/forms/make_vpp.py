@@ -1,0 +1,134 @@
+"""make_llama.py's tiny Llama with virtual (interleaved) pipeline stages, under Megatron-Core 0.16 on gloo CPU ranks.
+
+4 layers on PP=2 x VPP=2 (``virtual_pipeline_model_parallel_size=2``): each pipeline rank holds two model
+chunks (one GPTModel per chunk, built with ``vp_stage=``), one layer each: pipeline rank 0 holds layers 0 and 2
+(and the embedding), rank 1 layers 1 and 3 (and the output layer and final norm). Each chunk has its own
+DistributedDataParallel (bucketing only on chunk 0, as Megatron-LM does) and so its own buffer in the one
+distributed optimizer. The save is Megatron-LM's ``generate_state_dict``: ``model0``, ``model1`` (each chunk's
+``sharded_state_dict()``) and ``optimizer`` (``optimizer.sharded_state_dict`` of that whole dict).
+Values as make_llama.py: seeded global parameters, ``--steps`` seeded Adam steps.
+
+``python make_vpp.py``: writes ``llama_vpp_dp_reshardable`` (TP=1 x PP=2 x VPP=2 x DP=2, 4 ranks,
+bucket_size=200) and ``reference_llama_vpp_dp_reshardable.npz`` beside this script.
+``python make_vpp.py save OUT --tp --pp --dp --form --bucket --steps``: one such save and ``OUT.npz``.
+"""
+
+import argparse
+import os
+import shutil
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import make_llama as ml
+from make_forms import free_port
+
+HERE = ml.HERE
+LAYERS, VPP = 4, 2
+
+
+class Chunks:
+    """The model chunks seen as one model by make_llama's ``shards``/``global_values``/``held``."""
+
+    def __init__(self, chunks):
+        self.chunks = chunks
+
+    def sharded_state_dict(self):
+        return {f"{i}/{k}": v for i, c in enumerate(self.chunks) for k, v in c.sharded_state_dict().items()}
+
+
+def build(tp, pp, bucket_size):
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 virtual_pipeline_model_parallel_size=VPP)
+    torch.manual_seed(1234)
+    cfg = TransformerConfig(num_layers=LAYERS, hidden_size=ml.HIDDEN, num_attention_heads=ml.HEADS,
+                            num_query_groups=ml.GROUPS, ffn_hidden_size=ml.FFN, gated_linear_unit=True,
+                            activation_func=torch.nn.functional.silu, normalization="RMSNorm", add_bias_linear=False,
+                            use_cpu_initialization=True, tensor_model_parallel_size=tp,
+                            pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=VPP, bf16=True,
+                            params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, hidden_dropout=0.0,
+                            attention_dropout=0.0)
+    ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=bucket_size > 0,
+                                            bucket_size=bucket_size or None, grad_reduce_in_fp32=True)
+    chunks = []
+    for vp in range(VPP):
+        model = GPTModel(cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                         vocab_size=ml.VOCAB, max_sequence_length=ml.SEQ, share_embeddings_and_output_weights=False,
+                         position_embedding_type="rope",
+                         pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+                         post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp), vp_stage=vp)
+        chunks.append(Float16Module(cfg, model))
+    with torch.no_grad():
+        for param, local in ml.global_values(Chunks(chunks), 0, scale=0.2):
+            param.copy_(local)
+    ddps = [DistributedDataParallel(cfg, ddp_cfg, c, disable_bucketing=i > 0) for i, c in enumerate(chunks)]
+    cfg.finalize_model_grads_func = finalize_model_grads
+    cfg.no_sync_func = [d.no_sync for d in ddps]
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=0.01, bf16=True, use_distributed_optimizer=True,
+                                                 clip_grad=0.0), ddps)
+    return cfg, ddps, opt
+
+
+def seeded_steps(ddps, opt, steps):
+    for step in range(steps):
+        for param, grad in ml.global_values(Chunks([d.module for d in ddps]), 1 + step):
+            param.main_grad.copy_(grad)
+        opt.step()
+
+
+def generate_state_dict(ddps, opt, form):
+    """Megatron-LM's ``generate_state_dict`` for several chunks: ``model<i>`` per chunk, then the optimizer."""
+    sd = {f"model{i}": d.module.sharded_state_dict() for i, d in enumerate(ddps)}
+    sd["optimizer"] = opt.sharded_state_dict(sd, metadata={"distrib_optim_sharding_type": form})
+    return sd
+
+
+def run_save(rank, port, a):
+    ml._init(rank, port, a.tp * a.pp * a.dp)
+    from megatron.core import dist_checkpointing
+
+    _, ddps, opt = build(a.tp, a.pp, a.bucket)
+    seeded_steps(ddps, opt, a.steps)
+    sd = generate_state_dict(ddps, opt, a.form)
+    if rank == 0:
+        os.makedirs(a.out)
+    dist.barrier()
+    dist_checkpointing.save(sd, a.out)
+    dist.barrier()
+    ml.held(Chunks([d.module for d in ddps]), opt, a.out.rstrip("/") + ".npz")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv):
+    p = argparse.ArgumentParser()
+    p.add_argument("cmd", nargs="?", default="samples", choices=["samples", "save"])
+    p.add_argument("paths", nargs="*")
+    for name, default in (("tp", 1), ("pp", 2), ("dp", 2), ("bucket", 200), ("steps", 2)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--form", default="dp_reshardable")
+    a = p.parse_args(argv)
+    if a.cmd == "samples":
+        out = a.paths[0] if a.paths else HERE
+        name = "llama_vpp_dp_reshardable"
+        shutil.rmtree(os.path.join(out, name), ignore_errors=True)
+        main(["save", os.path.join(out, name)])
+        os.replace(os.path.join(out, f"{name}.npz"), os.path.join(out, f"reference_{name}.npz"))
+        return
+    a.out = a.paths[0]
+    mp.spawn(run_save, args=(free_port(), a), nprocs=a.tp * a.pp * a.dp)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,43 @@
+"""Megatron-Core virtual (interleaved) pipeline stages: several model chunks per pipeline rank.
+
+tests/data/megatron/forms/llama_vpp_dp_reshardable was written by megatron-core 0.16.1 itself (make_vpp.py
+there): make_llama.py's tiny bf16 Llama with 4 layers on TP=1 x PP=2 x VPP=2 x DP=2 gloo ranks (pipeline rank 0
+holds layers 0 and 2 in its two chunks, rank 1 layers 1 and 3), one DistributedDataParallel and so one
+distributed-optimizer buffer per chunk, two Adam steps, saved as Megatron-LM does (``model0``, ``model1``,
+``optimizer``) in the ``dp_reshardable`` form, with what the job held in reference_llama_vpp_dp_reshardable.npz.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import reshard.store as rs
+from reshard.store.frontends.megatron import export_megatron, import_megatron
+from reshard.store.frontends.megatron.read import read_megatron_metadata
+from test_megatron_forms import _same, reference
+
+DATA = Path(__file__).parent / "data" / "megatron" / "forms"
+SAMPLE = DATA / "llama_vpp_dp_reshardable"
+QKV = "decoder.layers.self_attention.linear_qkv.weight"
+
+
+def test_vpp_import_equals_what_megatron_held(tmp_path):
+    """Every model tensor and every optimizer state of both chunks of both pipeline ranks, value for value."""
+    done = import_megatron(str(SAMPLE), str(tmp_path / "rs"))
+    want = reference("llama_vpp_dp_reshardable")
+    ckpt = rs.open(str(tmp_path / "rs"))
+    assert set(ckpt) == set(want) and done["tensors"] == len(want) and not done["skipped"]
+    _same(ckpt, want)
+    # the sample is interleaved: each pipeline rank saved two buffers (one per chunk), each layer a chunk's own
+    names = {i.fqn for i in read_megatron_metadata((SAMPLE / ".metadata").read_bytes()).storage_data}
+    assert any(".gbuf_idx_1." in n for n in names) and not any(".gbuf_idx_2." in n for n in names)
+    qkv = ckpt.tensor(QKV).layout
+    assert qkv.shape == (4, 32, 16)
+    assert sorted(tuple(s.start for s in b.region) for b in qkv.blocks()) == [(layer, 0, 0) for layer in range(4)]
+
+
+def test_vpp_export_reads_back_as_the_same_values(tmp_path):
+    import_megatron(str(SAMPLE), str(tmp_path / "rs"))
+    export_megatron(str(tmp_path / "rs"), str(tmp_path / "mc"))
+    import_megatron(str(tmp_path / "mc"), str(tmp_path / "back"))
+    _same(rs.open(str(tmp_path / "back")), reference("llama_vpp_dp_reshardable"))
