@@ -9,12 +9,17 @@ distributed-optimizer buffer per chunk, two Adam steps, saved as Megatron-LM doe
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
+import numpy as np
+import pytest
 import reshard.store as rs
+from reshard.store.cli import main
 from reshard.store.frontends.megatron import export_megatron, import_megatron
 from reshard.store.frontends.megatron.read import read_megatron_metadata
-from test_megatron_forms import _same, reference
+from test_megatron_forms import MC_PYTHON, _has_megatron, _same, reference
 
 DATA = Path(__file__).parent / "data" / "megatron" / "forms"
 SAMPLE = DATA / "llama_vpp_dp_reshardable"
@@ -41,3 +46,34 @@ def test_vpp_export_reads_back_as_the_same_values(tmp_path):
     export_megatron(str(tmp_path / "rs"), str(tmp_path / "mc"))
     import_megatron(str(tmp_path / "mc"), str(tmp_path / "back"))
     _same(rs.open(str(tmp_path / "back")), reference("llama_vpp_dp_reshardable"))
+
+
+# ------------------------------------------------------------------ the real framework
+
+needs_megatron = pytest.mark.skipif(not _has_megatron(), reason="megatron-core >= 0.13 is not importable "
+                                                               "(set RESHARD_MEGATRON16_PYTHON)")
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> Path:
+    """The sample imported and exported by the command line."""
+    root = tmp_path_factory.mktemp("vpp")
+    assert main(["import", "megatron", str(SAMPLE), str(root / "rs")]) == 0
+    assert main(["export", "megatron", str(root / "rs"), str(root / "mc")]) == 0
+    return root / "mc"
+
+
+@needs_megatron
+@pytest.mark.parametrize("pp, vpp", [(1, 1), (2, 1), (2, 2)])
+def test_megatron_loads_the_vpp_export(tmp_path, exported, pp, vpp):
+    """Saved at PP=2 x VPP=2 -> import -> export -> Megatron-Core loads it at PP x VPP (TP=1, DP=1): it holds, per
+    parameter, exactly what the saving job held."""
+    done = subprocess.run([MC_PYTHON, str(DATA / "make_vpp.py"), "load", str(exported), str(tmp_path / "held.npz"),
+                           "--tp", "1", "--pp", str(pp), "--dp", "1", "--vpp", str(vpp)], capture_output=True,
+                          text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    with np.load(tmp_path / "held.npz", allow_pickle=False) as held, \
+            np.load(DATA / "reference_llama_vpp_dp_reshardable.npz", allow_pickle=False) as ref:
+        assert sorted(held.files) == sorted(ref.files)
+        for name in ref.files:
+            np.testing.assert_array_equal(held[name], ref[name], err_msg=name)

@@ -11,6 +11,9 @@ Values as make_llama.py: seeded global parameters, ``--steps`` seeded Adam steps
 ``python make_vpp.py``: writes ``llama_vpp_dp_reshardable`` (TP=1 x PP=2 x VPP=2 x DP=2, 4 ranks,
 bucket_size=200) and ``reference_llama_vpp_dp_reshardable.npz`` beside this script.
 ``python make_vpp.py save OUT --tp --pp --dp --form --bucket --steps``: one such save and ``OUT.npz``.
+``python make_vpp.py load SAVE OUT.npz --tp --pp --dp --vpp``: Megatron-Core loads a ``fully_reshardable`` save
+(reshard's export) into the 4-layer model at TP x PP x DP, with VPP chunks per pipeline rank (``--vpp 1``: plain
+pipeline stages, make_llama.py's ``load``), and writes what it then holds to OUT.npz as ``save`` does.
 """
 
 import argparse
@@ -40,7 +43,7 @@ class Chunks:
         return {f"{i}/{k}": v for i, c in enumerate(self.chunks) for k, v in c.sharded_state_dict().items()}
 
 
-def build(tp, pp, bucket_size):
+def build(tp, pp, bucket_size, vpp=VPP):
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
@@ -49,20 +52,24 @@ def build(tp, pp, bucket_size):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.module import Float16Module
 
+    if vpp == 1:
+        ml.LAYERS = LAYERS
+        cfg, ddp, opt = ml.build(tp, pp, bucket_size)
+        return cfg, [ddp], opt
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 virtual_pipeline_model_parallel_size=VPP)
+                                 virtual_pipeline_model_parallel_size=vpp)
     torch.manual_seed(1234)
     cfg = TransformerConfig(num_layers=LAYERS, hidden_size=ml.HIDDEN, num_attention_heads=ml.HEADS,
                             num_query_groups=ml.GROUPS, ffn_hidden_size=ml.FFN, gated_linear_unit=True,
                             activation_func=torch.nn.functional.silu, normalization="RMSNorm", add_bias_linear=False,
                             use_cpu_initialization=True, tensor_model_parallel_size=tp,
-                            pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=VPP, bf16=True,
+                            pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp, bf16=True,
                             params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, hidden_dropout=0.0,
                             attention_dropout=0.0)
     ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=bucket_size > 0,
                                             bucket_size=bucket_size or None, grad_reduce_in_fp32=True)
     chunks = []
-    for vp in range(VPP):
+    for vp in range(vpp):
         model = GPTModel(cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
                          vocab_size=ml.VOCAB, max_sequence_length=ml.SEQ, share_embeddings_and_output_weights=False,
                          position_embedding_type="rope",
@@ -87,10 +94,11 @@ def seeded_steps(ddps, opt, steps):
         opt.step()
 
 
-def generate_state_dict(ddps, opt, form):
+def generate_state_dict(ddps, opt, form, is_loading=False):
     """Megatron-LM's ``generate_state_dict`` for several chunks: ``model<i>`` per chunk, then the optimizer."""
     sd = {f"model{i}": d.module.sharded_state_dict() for i, d in enumerate(ddps)}
-    sd["optimizer"] = opt.sharded_state_dict(sd, metadata={"distrib_optim_sharding_type": form})
+    sd["optimizer"] = opt.sharded_state_dict(sd, is_loading=is_loading,
+                                             metadata={"distrib_optim_sharding_type": form})
     return sd
 
 
@@ -111,11 +119,32 @@ def run_save(rank, port, a):
     dist.destroy_process_group()
 
 
+def run_load(rank, port, a):
+    ml._init(rank, port, a.tp * a.pp * a.dp)
+    ml.keep_step()
+    from megatron.core import dist_checkpointing
+
+    _, ddps, opt = build(a.tp, a.pp, a.bucket, a.vpp)
+    # A fresh torch Adam has no state for DistributedOptimizer.state_dict(): one step on zero gradients makes it.
+    for d in ddps:
+        for p in d.module.parameters():
+            p.main_grad.zero_()
+    opt.step()
+    state = dist_checkpointing.load(generate_state_dict(ddps, opt, "fully_reshardable", is_loading=True), a.save)
+    for i, d in enumerate(ddps):
+        d.module.load_state_dict(state[f"model{i}"])
+    opt.load_state_dict(state["optimizer"])
+    ml.unshare_step(opt)
+    ml.held(Chunks([d.module for d in ddps]), opt, a.out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main(argv):
     p = argparse.ArgumentParser()
-    p.add_argument("cmd", nargs="?", default="samples", choices=["samples", "save"])
+    p.add_argument("cmd", nargs="?", default="samples", choices=["samples", "save", "load"])
     p.add_argument("paths", nargs="*")
-    for name, default in (("tp", 1), ("pp", 2), ("dp", 2), ("bucket", 200), ("steps", 2)):
+    for name, default in (("tp", 1), ("pp", 2), ("dp", 2), ("bucket", 200), ("steps", 2), ("vpp", VPP)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--form", default="dp_reshardable")
     a = p.parse_args(argv)
@@ -125,6 +154,11 @@ def main(argv):
         shutil.rmtree(os.path.join(out, name), ignore_errors=True)
         main(["save", os.path.join(out, name)])
         os.replace(os.path.join(out, f"{name}.npz"), os.path.join(out, f"reference_{name}.npz"))
+        return
+    if a.cmd == "load":
+        a.save, a.out = a.paths
+        a.bucket = 0
+        mp.spawn(run_load, args=(free_port(), a), nprocs=a.tp * a.pp * a.dp)
         return
     a.out = a.paths[0]
     mp.spawn(run_save, args=(free_port(), a), nprocs=a.tp * a.pp * a.dp)
