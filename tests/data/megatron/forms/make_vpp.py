@@ -13,7 +13,10 @@ bucket_size=200) and ``reference_llama_vpp_dp_reshardable.npz`` beside this scri
 ``python make_vpp.py save OUT --tp --pp --dp --form --bucket --steps``: one such save and ``OUT.npz``.
 ``python make_vpp.py load SAVE OUT.npz --tp --pp --dp --vpp``: Megatron-Core loads a ``fully_reshardable`` save
 (reshard's export) into the 4-layer model at TP x PP x DP, with VPP chunks per pipeline rank (``--vpp 1``: plain
-pipeline stages, make_llama.py's ``load``), and writes what it then holds to OUT.npz as ``save`` does.
+pipeline stages, make_llama.py's ``build``), writes what it then holds to OUT.npz as ``save`` does, and trains
+``--train N`` steps (losses to ``--losses L.json``; make_llama.py's shims for Megatron's torch-Adam load path).
+``python make_vpp.py reference L.json --tp --pp --dp --vpp --steps --train``: the run that never stopped (fresh job,
+``--steps`` seeded steps, ``--train`` training steps).
 """
 
 import argparse
@@ -94,6 +97,39 @@ def seeded_steps(ddps, opt, steps):
         opt.step()
 
 
+def train_steps(ddps, opt, steps, micro=2):
+    """``steps`` real training steps through Megatron's (interleaved) pipeline schedule, on make_llama.py's seeded
+    tokens cut into ``micro`` microbatches (the interleaved schedule wants at least PP of them); each step's
+    microbatch losses on the last pipeline stage (else None)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data, model):
+        tokens, labels = next(data)
+        pos = torch.arange(ml.SEQ).unsqueeze(0).expand(tokens.shape[0], ml.SEQ)
+        out = model(tokens, pos, None, labels=labels)
+
+        def loss_func(losses):
+            loss = losses.float().mean()
+            return loss, {"loss": loss.detach()}
+        return out, loss_func
+
+    losses = []
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(500 + step)
+        tokens = torch.randint(0, ml.VOCAB, (ml.BATCH, ml.SEQ + 1), generator=gen)
+        batches = [(t[:, :-1], t[:, 1:]) for t in tokens.chunk(micro)]
+        for d in ddps:
+            d.zero_grad_buffer()
+        opt.zero_grad()
+        out = get_forward_backward_func()(forward_step_func=forward_step,
+                                          data_iterator=[iter(batches) for _ in ddps] if len(ddps) > 1 else
+                                          iter(batches), model=ddps, num_microbatches=micro, seq_length=ml.SEQ,
+                                          micro_batch_size=ml.BATCH // micro, forward_only=False)
+        opt.step()
+        losses.append([float(o["loss"]) for o in out] if out else None)
+    return losses
+
+
 def generate_state_dict(ddps, opt, form, is_loading=False):
     """Megatron-LM's ``generate_state_dict`` for several chunks: ``model<i>`` per chunk, then the optimizer."""
     sd = {f"model{i}": d.module.sharded_state_dict() for i, d in enumerate(ddps)}
@@ -136,17 +172,26 @@ def run_load(rank, port, a):
     opt.load_state_dict(state["optimizer"])
     ml.unshare_step(opt)
     ml.held(Chunks([d.module for d in ddps]), opt, a.out)
-    dist.barrier()
+    ml._losses(rank, a, train_steps(ddps, opt, a.train))
+    dist.destroy_process_group()
+
+
+def run_reference(rank, port, a):
+    ml._init(rank, port, a.tp * a.pp * a.dp)
+    _, ddps, opt = build(a.tp, a.pp, 0, a.vpp)
+    seeded_steps(ddps, opt, a.steps)
+    ml._losses(rank, a, train_steps(ddps, opt, a.train))
     dist.destroy_process_group()
 
 
 def main(argv):
     p = argparse.ArgumentParser()
-    p.add_argument("cmd", nargs="?", default="samples", choices=["samples", "save", "load"])
+    p.add_argument("cmd", nargs="?", default="samples", choices=["samples", "save", "load", "reference"])
     p.add_argument("paths", nargs="*")
-    for name, default in (("tp", 1), ("pp", 2), ("dp", 2), ("bucket", 200), ("steps", 2), ("vpp", VPP)):
+    for name, default in (("tp", 1), ("pp", 2), ("dp", 2), ("bucket", 200), ("steps", 2), ("vpp", VPP), ("train", 0)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--form", default="dp_reshardable")
+    p.add_argument("--losses", default="")
     a = p.parse_args(argv)
     if a.cmd == "samples":
         out = a.paths[0] if a.paths else HERE
@@ -159,6 +204,10 @@ def main(argv):
         a.save, a.out = a.paths
         a.bucket = 0
         mp.spawn(run_load, args=(free_port(), a), nprocs=a.tp * a.pp * a.dp)
+        return
+    if a.cmd == "reference":
+        a.losses = a.paths[0]
+        mp.spawn(run_reference, args=(free_port(), a), nprocs=a.tp * a.pp * a.dp)
         return
     a.out = a.paths[0]
     mp.spawn(run_save, args=(free_port(), a), nprocs=a.tp * a.pp * a.dp)
