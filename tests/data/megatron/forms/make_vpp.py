@@ -3,9 +3,10 @@
 4 layers on PP=2 x VPP=2 (``virtual_pipeline_model_parallel_size=2``): each pipeline rank holds two model
 chunks (one GPTModel per chunk, built with ``vp_stage=``), one layer each: pipeline rank 0 holds layers 0 and 2
 (and the embedding), rank 1 layers 1 and 3 (and the output layer and final norm). Each chunk has its own
-DistributedDataParallel (bucketing only on chunk 0, as Megatron-LM does) and so its own buffer in the one
-distributed optimizer. The save is Megatron-LM's ``generate_state_dict``: ``model0``, ``model1`` (each chunk's
-``sharded_state_dict()``) and ``optimizer`` (``optimizer.sharded_state_dict`` of that whole dict).
+DistributedDataParallel (``disable_bucketing`` past chunk 0, as Megatron-LM does; Megatron-Core cuts buckets only
+on the first pipeline rank anyway) and so its own buffer in the one distributed optimizer. The save is
+Megatron-LM's ``generate_state_dict``: ``model0``, ``model1`` (each chunk's ``sharded_state_dict()``) and
+``optimizer`` (``optimizer.sharded_state_dict`` of that whole dict).
 Values as make_llama.py: seeded global parameters, ``--steps`` seeded Adam steps.
 
 ``python make_vpp.py``: writes ``llama_vpp_dp_reshardable`` (TP=1 x PP=2 x VPP=2 x DP=2, 4 ranks,
