@@ -93,9 +93,13 @@ def test_megatron_loads_the_vpp_export_and_trains_on_as_if_never_stopped(tmp_pat
 
 @needs_megatron
 @pytest.mark.skipif(not os.environ.get("RESHARD_SOAK"), reason="trains and saves with Megatron-Core anew on 4 "
-                    "ranks: a minute on 2 cores; with RESHARD_SOAK=1 (the committed sample is tested always)")
+                    "ranks, twice: 2 minutes on 2 cores; with RESHARD_SOAK=1 (the committed sample is tested always)")
 def test_real_megatron_vpp_save_imports(tmp_path):
-    """make_vpp.py's sample written anew, imported against its fresh reference."""
+    """make_vpp.py's sample written anew, and the same job saved in the ``fully_reshardable`` form (one bucket per
+    buffer), each imported against its fresh reference."""
     _megatron("samples", str(tmp_path))
-    import_megatron(str(tmp_path / "llama_vpp_dp_reshardable"), str(tmp_path / "rs"))
-    _same(rs.open(str(tmp_path / "rs")), reference("llama_vpp_dp_reshardable", tmp_path))
+    _megatron("save", str(tmp_path / "fully"), "--form", "fully_reshardable", "--bucket", "0")
+    (tmp_path / "fully.npz").rename(tmp_path / "reference_fully.npz")
+    for name in ("llama_vpp_dp_reshardable", "fully"):
+        import_megatron(str(tmp_path / name), str(tmp_path / f"rs_{name}"))
+        _same(rs.open(str(tmp_path / f"rs_{name}")), reference(name, tmp_path))
