@@ -88,7 +88,8 @@ def test_cloud(tmp_path, monkeypatch):
     ratio = float(re.search(r"\nbytes fetched ratio: ([0-9.]+) of the checkpoint", text).group(1))
     lean = float(re.search(r"gap=0 bytes fetched ratio: ([0-9.]+) of the checkpoint", text).group(1))
     requests = [int(n) for n in re.findall(r"in (\d+) requests", text)]
-    assert 0 < lean < 0.6 and lean < ratio <= 1  # one rank of 7 needs a fraction; merged gaps fetch more
+    # one rank of 7 needs a fraction; merging gaps (up to 128 KiB on object stores) fetches no less
+    assert 0 < lean < 0.6 and lean <= ratio <= 1
     assert requests[0] < requests[1]  # ... in fewer requests
     assert "s3://checkpoints/step-100  (committed, saved by 8 ranks)" in text
     # zarr-python through zarr_store() on S3: the saved values (the same state, made again here)

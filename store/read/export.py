@@ -279,8 +279,9 @@ def _entry_slabs(entry: Entry, offset: int, per_task: int) -> list[Slab]:
     for meta, region in entry.parts:
         if math.prod(r.stop - r.start for r in region) == 0:
             continue
+        cut = slabs(meta, per_task, region)  # first: it checks the stored shape (an untrusted document's)
         first = _flat_offset(meta, region)
-        out += [Slab(meta, r, offset + _flat_offset(meta, r) - first) for r in slabs(meta, per_task, region)]
+        out += [Slab(meta, r, offset + _flat_offset(meta, r) - first) for r in cut]
         offset += math.prod(r.stop - r.start for r in region) * meta.np_dtype.itemsize
     return out or [Slab(m, r, offset) for m, r in entry.parts[:1]]
 
@@ -288,8 +289,10 @@ def _entry_slabs(entry: Entry, offset: int, per_task: int) -> list[Slab]:
 def _flat_offset(meta: ArrayMeta, region: Region) -> int:
     if not meta.shape or math.prod(meta.shape) == 0:
         return 0
-    start = np.ravel_multi_index(tuple(r.start for r in region), meta.shape)
-    return int(start) * meta.np_dtype.itemsize
+    start = 0
+    for r, n in zip(region, meta.shape, strict=True):  # C order, in Python ints (no numpy size limit)
+        start = start * n + r.start
+    return start * meta.np_dtype.itemsize
 
 
 def safetensors_header(entries: list[Entry], leaves: dict[str, Any],
