@@ -90,7 +90,7 @@ def test_cloud(tmp_path, monkeypatch):
     requests = [int(n) for n in re.findall(r"in (\d+) requests", text)]
     # one rank of 7 needs a fraction; merging gaps (up to 128 KiB on object stores) fetches no less
     assert 0 < lean < 0.6 and lean <= ratio <= 1
-    assert requests[0] < requests[1]  # ... in fewer requests
+    assert requests[0] <= requests[1]  # ... in no more requests
     assert "s3://checkpoints/step-100  (committed, saved by 8 ranks)" in text
     # zarr-python through zarr_store() on S3: the saved values (the same state, made again here)
     embed = flatten(demo.model_state(100))[0]["model.embed.weight"].astype(np.float64)
