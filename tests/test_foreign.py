@@ -90,7 +90,9 @@ def test_an_import_of_the_wrong_framework_names_the_right_one(tmp_path: Path, ca
     assert main(["import", "dcp", str(DATA / "megatron" / "tp2dp2"), str(tmp_path / "y")]) == 1
     err = capsys.readouterr().err
     assert "Megatron-Core torch_dist" in err and "`reshard import megatron " in err
-    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+    assert main(["import", "safetensors", str(DATA / "megatron" / "tp2dp2"), str(tmp_path / "z")]) == 1
+    assert "`reshard import megatron " in capsys.readouterr().err  # a folder of no .safetensors file
+    assert not any((tmp_path / d).exists() for d in "xyz")
 
 
 def test_an_empty_or_unknown_folder_gets_no_hint(tmp_path: Path) -> None:

@@ -204,9 +204,10 @@ def source_files(src: str | os.PathLike[str],
         files = [f"{base}/{n}" for n in names if n.endswith(".safetensors")]
         if len(files) > 1 and all(DCP_SHARDING_KEY in read_header(f, storage_options).metadata for f in files):
             return files, None  # torch's HuggingFaceStorageWriter, one file per rank
-        if len(files) != 1:
-            raise FormatError(f"{src} holds {len(files)} .safetensors files and no {INDEX_NAME}: "
-                              + ("name the file" if files else "nothing to import"))
+        if not files:
+            raise CheckpointNotFoundError(f"{src} holds no .safetensors file and no {INDEX_NAME}: nothing to import")
+        if len(files) > 1:
+            raise FormatError(f"{src} holds {len(files)} .safetensors files and no {INDEX_NAME}: name the file")
         return files, None
     if DCP_SHARDING_KEY in read_header(base, storage_options).metadata:
         raise FormatError(f"{src} is one rank's file of a per-rank save ({DCP_SHARDING_KEY}: its tensors are pieces "
