@@ -19,6 +19,12 @@ or carries one (``test_every_python_block_is_run_or_skipped``):
 * ``<!-- docs-test: skip REASON -->``: it cannot run here (a GPU, a real cloud
   account); the reason is required.
 
+Shell blocks (``console``, ``bash``, ``sh``, ``shell``) are never run as pasted: each needs
+files, so each names a setting of tests/docshell.py (a folder holding the files its commands
+name; every command runs there as written, its exit status and the output the page shows
+compared, timings and save ids masked: see that module), a covered-by test, or a skip with a
+reason (``test_every_block_is_run_or_skipped``).
+
 A failure names the page and the line in it.
 """
 
@@ -32,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import docsettings
+import docshell
 import numpy as np
 import pytest
 from reshard.layouts import Layout
@@ -47,7 +54,7 @@ SETTINGS = {
     "s3": docsettings.s3,                        # the loopback moto S3 server of tests/conftest.py
     "torch": docsettings.torch_one,              # one process: a tiny Llama, its checkpoint and DCP save
     "script": docsettings.script,                # the block is a file: python example.py, printing what is shown
-    "cli": docsettings.cli,                      # console blocks: each `$ reshard ...` line, on reshard demo's files
+    **docshell.SETTINGS,                         # shell blocks, each command run as written (tests/docshell.py)
 }
 MARKER = re.compile(r"<!--\s*docs-test:\s*(?P<kind>skip|setting|covered-by)\b(?P<arg>.*?)-->")
 FENCE = re.compile(r"^```(?P<lang>\S*)\s*$")
@@ -213,12 +220,17 @@ def uncovered(page: str, text: str) -> list[str]:
         elif block.kind is None and block.lang == "python" and page.removeprefix("docs/") not in PAGES:
             problems.append(f"{where}: a python block neither run nor skipped (add the page to PAGES, or a marker "
                             "'<!-- docs-test: setting NAME | covered-by tests/FILE.py::TEST | skip REASON -->')")
+        elif block.kind is None and block.lang in docshell.SHELL:
+            problems.append(f"{where}: a {block.lang} block neither run nor skipped (a marker '<!-- docs-test: "
+                            "setting NAME | covered-by tests/FILE.py::TEST | skip REASON -->', NAME a setting of "
+                            "tests/docshell.py)")
     return problems
 
 
-def test_every_python_block_is_run_or_skipped() -> None:
+def test_every_block_is_run_or_skipped() -> None:
     """Every python block of README.md and docs/*.md runs as pasted, runs in a known setting, is run by a named
-    test, or is skipped with a reason: a new block without any of these fails here."""
+    test, or is skipped with a reason, and so does every shell block (``console``, ``bash``, ``sh``, ``shell``;
+    never run as pasted: each needs a setting's files): a new block without any of these fails here."""
     problems = [p for page in all_pages() for p in uncovered(page, (ROOT / page).read_text())]
     assert not problems, "\n".join(problems)
 
@@ -228,11 +240,12 @@ def test_uncovered_blocks_are_found() -> None:
     text = ("```python\na = 1\n```\n<!-- docs-test: setting nowhere -->\n```python\nb = 2\n```\n"
             f"<!-- docs-test: covered-by {readme} -->\n```python\nc = 3\n```\n"
             "<!-- docs-test: covered-by tests/test_docs.py::test_nothing -->\n```python\nd = 4\n```\n"
-            "<!-- docs-test: setting s3 -->\n```python\ne = 5\n```\n```bash\nls\n```\n")
+            "<!-- docs-test: setting s3 -->\n```python\ne = 5\n```\n```bash\nls\n```\n"
+            "<!-- docs-test: skip needs a GPU -->\n```console\n$ nvidia-smi\n```\n```json\n{}\n```\n")
     assert [p.split(": ", 1)[0] for p in uncovered("docs/new.md", text)] == [
-        "docs/new.md:2", "docs/new.md:6", "docs/new.md:10", "docs/new.md:14"]  # c's test does not read new.md
-    assert [p.split(": ", 1)[0] for p in uncovered("README.md", text)] == [
-        "README.md:2", "README.md:6", "README.md:14"]
+        "docs/new.md:2", "docs/new.md:6", "docs/new.md:10", "docs/new.md:14", "docs/new.md:21"]  # c's test
+    assert [p.split(": ", 1)[0] for p in uncovered("README.md", text)] == [  # does not read new.md
+        "README.md:2", "README.md:6", "README.md:14", "README.md:21"]
     assert uncovered("docs/usage.md", text)[0].startswith("docs/usage.md:6: unknown docs-test setting")
 
 
