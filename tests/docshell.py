@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -95,11 +96,11 @@ def commands(block: Any) -> list[Command]:
     i = 0
     while i < len(lines):
         if lines[i].startswith("$ "):
-            text = lines[i][2:]
+            n, text = block.line + i, lines[i][2:]
             while text.endswith("\\") and i + 1 < len(lines):
                 i += 1
                 text += "\n" + lines[i]
-            cmds.append((block.line + i, text, []))
+            cmds.append((n, text, []))
         elif cmds:
             cmds[-1][2].append(lines[i])
         i += 1
@@ -214,8 +215,7 @@ def _damage(root: Path) -> None:
 def _skipping_megatron_save(folder: Path) -> None:
     """``./mc``: tests/data's Megatron-Core sample whose ``common.pt`` also holds a tensor ``table`` (not JSON:
     an import refuses it unless ``--skip``)."""
-    import torch
-
+    torch = pytest.importorskip("torch")
     shutil.copytree(TESTS / "data/megatron/forms/dp_reshardable", folder / "mc")
     common = torch.load(folder / "mc/common.pt", weights_only=False)
     common["table"] = torch.arange(4.0)
@@ -306,8 +306,9 @@ def hf_files(folder: Path, request: Any) -> Prepared:
     Checked after: every checkpoint and export the commands wrote holds the weights (``ck1`` those of the one
     file, ``out-model`` the training save's ``model.`` tensors by their names without it)."""
     import reshard.store as rs
-    import transformers
     from safetensors.numpy import load_file, save_file
+
+    transformers = pytest.importorskip("transformers")
 
     cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4, bos_token_id=0,
                                   eos_token_id=0)

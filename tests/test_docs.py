@@ -121,6 +121,27 @@ def test_blocks_parser() -> None:
         (10, "bash", "ls", None, None, None), (14, "python", "print(3)", None, "fsdp2-tp", "3")]
 
 
+def test_shell_commands_and_what_a_stale_page_shows(tmp_path: Path) -> None:
+    """The shell runner: a console block's ``$`` lines (a backslash continues one) with their output, ``echo $?``
+    seeing the status before it; a bash block's lines with ``# exit N: MESSAGE``; timings and save ids masked,
+    any other difference fails, as does a wrong status or a missing message."""
+    text = ("```console\n$ printf 'a\\nb\\n' \\\n  | tail -n 1\nb\n$ false\n$ echo $?\n1\n```\n"
+            "```bash\n# a comment\nls missing   # exit 2: No such file\necho ok\n```\n")
+    console, bash = blocks(text)
+    assert [(c.line, c.text, c.shown, c.status) for c in docshell.commands(console)] == [
+        (2, "printf 'a\\nb\\n' \\\n  | tail -n 1", "b", 0), (5, "false", None, None), (6, "echo $?", "1", 0)]
+    assert [(c.line, c.text, c.status, c.message) for c in docshell.commands(bash)] == [
+        (11, "ls missing   # exit 2: No such file", 2, "No such file"), (12, "echo ok", 0, "")]
+    docshell.run_commands("new.md", [console, bash], tmp_path, {}, {})
+    assert docshell.masked("done in 0.14 s (125 MB/s) gen-3f0b784a2d12") == ["done in <t> s (<rate>) gen-<id>"]
+    assert docshell.masked("x  seconds  MB/s\n---\nsave  42.0    0.316   133") == \
+        ["x  seconds  MB/s", "---", "save 42.0 <t> <rate>"]
+    for stale in ("```console\n$ echo 3 tensors in 0.1 s\n4 tensors in 0.1 s\n```\n",
+                  "```console\n$ false\n```\n", "```bash\nls missing  # exit 2: no such thing\n```\n"):
+        with pytest.raises(AssertionError, match=r"new\.md:2"):
+            docshell.run_commands("new.md", blocks(stale), tmp_path, {}, {})
+
+
 def all_pages() -> list[str]:
     """README.md and every docs page, as paths from the repository root."""
     return ["README.md", *(f"docs/{p.name}" for p in sorted(DOCS.glob("*.md")))]
@@ -170,7 +191,7 @@ KNOWN_BUGS: dict[tuple[str, str], str] = {}
 
 #: The suites' marks of the settings that need a framework.
 SETTING_MARKS = {"fsdp2-tp": pytest.mark.torch, "torch": pytest.mark.torch, "script": pytest.mark.torch,
-                 "jax-8-devices": pytest.mark.jax}
+                 "jax-8-devices": pytest.mark.jax, "cli": pytest.mark.torch, "hf-files": pytest.mark.torch}
 
 
 def _setting_params() -> list[object]:
