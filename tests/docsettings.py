@@ -12,7 +12,6 @@ import contextlib
 import io
 import json
 import os
-import re
 import subprocess
 import sys
 import threading
@@ -371,42 +370,3 @@ def s3(page: str, blocks: list[Any], tmp_path: Path, request: Any) -> None:
         os.chdir(cwd)
     if "state" in scope:
         np.testing.assert_array_equal(scope["state"]["model"]["w"], full[target["model.w"].region(0)])
-
-
-# ---------------------------------------------------------------------------------------------- cli
-#: What may differ between a run and the page: a save's random id.
-SAVE_ID = re.compile(r"gen-[0-9a-f]{8,}")
-
-
-def _commands(code: str) -> list[tuple[str, str]]:
-    """The ``$ COMMAND`` lines of a console block, each with the output shown under it."""
-    out: list[tuple[str, list[str]]] = []
-    for line in code.splitlines():
-        if line.startswith("$ "):
-            out.append((line[2:], []))
-        elif out:
-            out[-1][1].append(line)
-    return [(cmd, "\n".join(shown)) for cmd, shown in out]
-
-
-def cli(page: str, blocks: list[Any], tmp_path: Path, request: Any) -> None:
-    """A folder holding what ``reshard demo`` writes (``./reshard-demo``); each ``$ COMMAND`` line of the page's
-    console blocks runs there with bash (``reshard`` is this checkout's CLI). Checked: each exits 0 and prints
-    the lines the page shows under it (save ids ``gen-<hex>`` compared as any id)."""
-    prelude = f'reshard() {{ {sys.executable!r} -m reshard.store.cli "$@"; }}\n'
-    env = {**os.environ, "COLUMNS": "200", "OMP_NUM_THREADS": "1"}
-
-    def run(cmd: str) -> str:
-        done = subprocess.run(["bash", "-c", prelude + cmd], cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=600)
-        assert done.returncode == 0, f"{page}: $ {cmd} exited {done.returncode}:\n{done.stderr[-4000:]}"
-        return done.stdout
-
-    run("reshard demo")
-    for block in blocks:
-        commands = _commands(block.code)
-        assert commands, f"{page}:{block.line}: a cli block has no '$ COMMAND' line"
-        for cmd, shown in commands:
-            got = run(cmd)
-            norm = [SAVE_ID.sub("gen-<id>", t).rstrip() for t in (got, shown)]
-            assert norm[0].strip() == norm[1].strip(), f"{page}: $ {cmd} printed\n{got}\nthe page shows\n{shown}"

@@ -19,6 +19,12 @@ or carries one (``test_every_python_block_is_run_or_skipped``):
 * ``<!-- docs-test: skip REASON -->``: it cannot run here (a GPU, a real cloud
   account); the reason is required.
 
+Shell blocks (``console``, ``bash``, ``sh``, ``shell``) are never run as pasted: each needs
+files, so each names a setting of tests/docshell.py (a folder holding the files its commands
+name; every command runs there as written, its exit status and the output the page shows
+compared, timings and save ids masked: see that module), a covered-by test, or a skip with a
+reason (``test_every_block_is_run_or_skipped``).
+
 A failure names the page and the line in it.
 """
 
@@ -32,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import docsettings
+import docshell
 import numpy as np
 import pytest
 from reshard.layouts import Layout
@@ -47,7 +54,7 @@ SETTINGS = {
     "s3": docsettings.s3,                        # the loopback moto S3 server of tests/conftest.py
     "torch": docsettings.torch_one,              # one process: a tiny Llama, its checkpoint and DCP save
     "script": docsettings.script,                # the block is a file: python example.py, printing what is shown
-    "cli": docsettings.cli,                      # console blocks: each `$ reshard ...` line, on reshard demo's files
+    **docshell.SETTINGS,                         # shell blocks, each command run as written (tests/docshell.py)
 }
 MARKER = re.compile(r"<!--\s*docs-test:\s*(?P<kind>skip|setting|covered-by)\b(?P<arg>.*?)-->")
 FENCE = re.compile(r"^```(?P<lang>\S*)\s*$")
@@ -114,6 +121,27 @@ def test_blocks_parser() -> None:
         (10, "bash", "ls", None, None, None), (14, "python", "print(3)", None, "fsdp2-tp", "3")]
 
 
+def test_shell_commands_and_what_a_stale_page_shows(tmp_path: Path) -> None:
+    """The shell runner: a console block's ``$`` lines (a backslash continues one) with their output, ``echo $?``
+    seeing the status before it; a bash block's lines with ``# exit N: MESSAGE``; timings and save ids masked,
+    any other difference fails, as does a wrong status or a missing message."""
+    text = ("```console\n$ printf 'a\\nb\\n' \\\n  | tail -n 1\nb\n$ false\n$ echo $?\n1\n```\n"
+            "```bash\n# a comment\nls missing   # exit 2: No such file\necho ok\n```\n")
+    console, bash = blocks(text)
+    assert [(c.line, c.text, c.shown, c.status) for c in docshell.commands(console)] == [
+        (2, "printf 'a\\nb\\n' \\\n  | tail -n 1", "b", 0), (5, "false", None, None), (6, "echo $?", "1", 0)]
+    assert [(c.line, c.text, c.status, c.message) for c in docshell.commands(bash)] == [
+        (11, "ls missing   # exit 2: No such file", 2, "No such file"), (12, "echo ok", 0, "")]
+    docshell.run_commands("new.md", [console, bash], tmp_path, {}, {})
+    assert docshell.masked("done in 0.14 s (125 MB/s) gen-3f0b784a2d12") == ["done in <t> s (<rate>) gen-<id>"]
+    assert docshell.masked("x  seconds  MB/s\n---\nsave  42.0    0.316   133") == \
+        ["x  seconds  MB/s", "---", "save 42.0 <t> <rate>"]
+    for stale in ("```console\n$ echo 3 tensors in 0.1 s\n4 tensors in 0.1 s\n```\n",
+                  "```console\n$ false\n```\n", "```bash\nls missing  # exit 2: no such thing\n```\n"):
+        with pytest.raises(AssertionError, match=r"new\.md:2"):
+            docshell.run_commands("new.md", blocks(stale), tmp_path, {}, {})
+
+
 def all_pages() -> list[str]:
     """README.md and every docs page, as paths from the repository root."""
     return ["README.md", *(f"docs/{p.name}" for p in sorted(DOCS.glob("*.md")))]
@@ -163,7 +191,7 @@ KNOWN_BUGS: dict[tuple[str, str], str] = {}
 
 #: The suites' marks of the settings that need a framework.
 SETTING_MARKS = {"fsdp2-tp": pytest.mark.torch, "torch": pytest.mark.torch, "script": pytest.mark.torch,
-                 "jax-8-devices": pytest.mark.jax}
+                 "jax-8-devices": pytest.mark.jax, "cli": pytest.mark.torch, "hf-files": pytest.mark.torch}
 
 
 def _setting_params() -> list[object]:
@@ -213,12 +241,17 @@ def uncovered(page: str, text: str) -> list[str]:
         elif block.kind is None and block.lang == "python" and page.removeprefix("docs/") not in PAGES:
             problems.append(f"{where}: a python block neither run nor skipped (add the page to PAGES, or a marker "
                             "'<!-- docs-test: setting NAME | covered-by tests/FILE.py::TEST | skip REASON -->')")
+        elif block.kind is None and block.lang in docshell.SHELL:
+            problems.append(f"{where}: a {block.lang} block neither run nor skipped (a marker '<!-- docs-test: "
+                            "setting NAME | covered-by tests/FILE.py::TEST | skip REASON -->', NAME a setting of "
+                            "tests/docshell.py)")
     return problems
 
 
-def test_every_python_block_is_run_or_skipped() -> None:
+def test_every_block_is_run_or_skipped() -> None:
     """Every python block of README.md and docs/*.md runs as pasted, runs in a known setting, is run by a named
-    test, or is skipped with a reason: a new block without any of these fails here."""
+    test, or is skipped with a reason, and so does every shell block (``console``, ``bash``, ``sh``, ``shell``;
+    never run as pasted: each needs a setting's files): a new block without any of these fails here."""
     problems = [p for page in all_pages() for p in uncovered(page, (ROOT / page).read_text())]
     assert not problems, "\n".join(problems)
 
@@ -228,11 +261,12 @@ def test_uncovered_blocks_are_found() -> None:
     text = ("```python\na = 1\n```\n<!-- docs-test: setting nowhere -->\n```python\nb = 2\n```\n"
             f"<!-- docs-test: covered-by {readme} -->\n```python\nc = 3\n```\n"
             "<!-- docs-test: covered-by tests/test_docs.py::test_nothing -->\n```python\nd = 4\n```\n"
-            "<!-- docs-test: setting s3 -->\n```python\ne = 5\n```\n```bash\nls\n```\n")
+            "<!-- docs-test: setting s3 -->\n```python\ne = 5\n```\n```bash\nls\n```\n"
+            "<!-- docs-test: skip needs a GPU -->\n```console\n$ nvidia-smi\n```\n```json\n{}\n```\n")
     assert [p.split(": ", 1)[0] for p in uncovered("docs/new.md", text)] == [
-        "docs/new.md:2", "docs/new.md:6", "docs/new.md:10", "docs/new.md:14"]  # c's test does not read new.md
-    assert [p.split(": ", 1)[0] for p in uncovered("README.md", text)] == [
-        "README.md:2", "README.md:6", "README.md:14"]
+        "docs/new.md:2", "docs/new.md:6", "docs/new.md:10", "docs/new.md:14", "docs/new.md:21"]  # c's test
+    assert [p.split(": ", 1)[0] for p in uncovered("README.md", text)] == [  # does not read new.md
+        "README.md:2", "README.md:6", "README.md:14", "README.md:21"]
     assert uncovered("docs/usage.md", text)[0].startswith("docs/usage.md:6: unknown docs-test setting")
 
 

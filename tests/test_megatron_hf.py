@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from reshard.layouts.views import Piece, View, check_piece
 from reshard.store.cli import main
 from reshard.store.frontends.huggingface.llama import export_llama
 from reshard.store.frontends.megatron import export_megatron, import_megatron
+from test_docs import DOCS, blocks
 from test_megatron_forms import MC_PYTHON, _has_megatron
 
 torch = pytest.importorskip("torch")
@@ -219,20 +221,27 @@ def test_a_piece_must_be_contiguous():
     assert View((2, 16), (Piece("w", ((1, 2), (3, 5), (0, 16))),)).pieces[0].size == 32
 
 
-def test_the_command_line_and_the_docs_recipe(tmp_path, monkeypatch):
+def test_the_command_line_and_the_docs_recipe(tmp_path, monkeypatch, capsys):
     """docs/megatron.md's recipe ("Export to Hugging Face"), command by command, as a user runs it."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tests/data/megatron/forms").mkdir(parents=True)
     (tmp_path / "tests/data/megatron/forms/llama_dp_reshardable").symlink_to(DATA / "llama_dp_reshardable")
-    assert main(["import", "megatron", "tests/data/megatron/forms/llama_dp_reshardable", "rs-llama"]) == 0
-    assert main(["export", "llama", "rs-llama", "hf-llama", "--heads", "4"]) == 1  # the other three are not in it
-    assert main(["export", "llama", "rs-llama", "hf-llama", "--heads", "4", "--rope-theta", "10000", "--norm-eps",
-                 "1e-5", "--max-positions", "8"]) == 0
-    got, want = exported_tensors(tmp_path / "hf-llama"), expected("dp_reshardable")
-    assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
     (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 4, "rope_theta": 10000.0,
                                                       "rms_norm_eps": 1e-5, "max_position_embeddings": 8}))
-    assert main(["export", "llama", "rs-llama", "hf-llama2", "--config", "config.json"]) == 0
+    recipe = next(b for b in blocks((DOCS / "megatron.md").read_text()) if "export llama rs-llama" in b.code)
+    lines = recipe.code.splitlines()
+    assert len(lines) == 4 and all(line.startswith("reshard ") for line in lines)
+    for line in lines:  # "# exit 1: names A, B": exits 1 naming each
+        command, _, comment = line.partition("#")
+        capsys.readouterr()
+        code = main(shlex.split(command)[1:])
+        if "exit 1: names " in comment:
+            err = capsys.readouterr().err
+            assert code == 1 and all(n in err for n in comment.split("names ", 1)[1].split(", ")), (line, err)
+        else:
+            assert code == 0, line
+    got, want = exported_tensors(tmp_path / "hf-llama"), expected("dp_reshardable")
+    assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
     assert (tmp_path / "hf-llama2/config.json").read_text() == (tmp_path / "hf-llama/config.json").read_text()
     model = transformers.LlamaForCausalLM.from_pretrained("hf-llama", dtype=torch.float32)
     assert model.config.num_key_value_heads == GROUPS

@@ -24,6 +24,7 @@ import pytest
 import reshard.store as rs
 from reshard.layouts.presets import Counts, Mesh, PresetError, megatron_layouts
 from reshard.store.cli import main
+from test_docs import blocks
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -335,11 +336,11 @@ def test_python_api_counts_and_errors() -> None:
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
-def _recipe(page: str, heading: str) -> list[str]:
-    """The command lines of the first ``bash`` block under `heading` in docs/`page`."""
-    text = (DOCS / page).read_text()
-    block = text[text.index(heading):].split("```bash\n", 1)[1].split("```", 1)[0]
-    return [line for line in block.splitlines() if line.strip()]
+def _recipe(page_blocks: list[Any], first: str) -> list[str]:
+    """The command lines of the ``bash`` block of a page (``test_docs.blocks``) whose first line starts ``first``
+    (its marker ``<!-- docs-test: covered-by ... -->`` names the test that runs it)."""
+    block = next(b for b in page_blocks if b.lang == "bash" and b.code.startswith(first))
+    return [line for line in block.code.splitlines() if line.strip()]
 
 
 def _run_recipe(lines: list[str], capfd: pytest.CaptureFixture[str], data: Path | None = None) -> None:
@@ -361,7 +362,7 @@ def _run_recipe(lines: list[str], capfd: pytest.CaptureFixture[str], data: Path 
 
 def test_huggingface_docs_recipe(tmp_path: Path, capfd: pytest.CaptureFixture[str],
                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    lines = _recipe("huggingface.md", "## Megatron layouts by Hugging Face names")
+    lines = _recipe(blocks((DOCS / "huggingface.md").read_text()), "reshard import safetensors ./llama ")
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
     torch.manual_seed(4)
@@ -378,7 +379,7 @@ def test_huggingface_docs_recipe(tmp_path: Path, capfd: pytest.CaptureFixture[st
 
 def test_megatron_docs_recipe(tmp_path: Path, capfd: pytest.CaptureFixture[str],
                               monkeypatch: pytest.MonkeyPatch) -> None:
-    lines = _recipe("megatron.md", "## Redivide by Megatron-Core names")
+    lines = _recipe(blocks((DOCS / "megatron.md").read_text()), "reshard import megatron tests/data/megatron/forms/dp_")
     monkeypatch.chdir(tmp_path)
     _run_recipe(lines, capfd, data=DATA.parent)
     ckpt = rs.open("rs-gpt-tp2pp2")
