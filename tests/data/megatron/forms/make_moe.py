@@ -129,6 +129,7 @@ def held(ddp, opt, path):
     msd = ddp.module.sharded_state_dict()
     meta = {sh.data: sh for sh in msd.values() if isinstance(sh, ShardedTensor)}
     factories = {sh.data: sh for sh in msd.values() if isinstance(sh, ShardedTensorFactory)}
+    names = {p: n for n, p in ddp.module.named_parameters()}
     pieces, parts = [], []
     chained = opt.chained_optimizers if hasattr(opt, "chained_optimizers") else [opt]
     for i, dopt in enumerate(chained):
@@ -140,7 +141,7 @@ def held(ddp, opt, path):
                         r = ranges["param"]
                         if param in factories:
                             states = dopt._get_main_param_and_optimizer_states(param)
-                            parts.append((_factory_id(factories[param]), r.start, r.end, {
+                            parts.append((_factory_id(names[param]), r.start, r.end, {
                                 f"{prefix}optimizer.state.{k}.": v.detach().float().numpy().copy()
                                 for k, v in states.items() if k != "step"}))
                             continue
@@ -158,7 +159,7 @@ def held(ddp, opt, path):
         for param, fac in factories.items():
             whole = {"": param.detach().float().reshape(-1).numpy().copy()}
             for ident, start, stop, states in (p for ps_ in everywhere for p in ps_):
-                if ident == _factory_id(fac):
+                if ident == _factory_id(names[param]):
                     for state, vals in states.items():
                         whole.setdefault(state, np.full(param.numel(), np.nan, dtype=np.float32))[start:stop] = vals
             for state, flat in whole.items():
@@ -182,12 +183,13 @@ def held(ddp, opt, path):
         np.savez(path, **ref)
 
 
-def _factory_id(fac):
-    """A factory-saved parameter, the same on every data-parallel rank holding a range of it: its key, and the
-    expert-parallel and tensor-parallel ranks (which place it)."""
+def _factory_id(name):
+    """A factory-saved parameter, the same on every data-parallel rank holding a range of it: its name in the
+    module, and the pipeline, expert-parallel and tensor-parallel ranks (which place it)."""
     from megatron.core import parallel_state as ps
 
-    return fac.key, ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()
+    return (name, ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank(),
+            ps.get_expert_tensor_parallel_rank())
 
 
 def run(rank, port, out, name):
