@@ -333,23 +333,29 @@ def _disagree_job(rank: int, world: int, port: int, root: str) -> None:
             return {"w": DTensor.from_local(local.clone(), mesh, placements, run_check=False),
                     "b": torch.full((3,), float(step))}
 
-        mgr = TorchCheckpointManager(root, state(1), commit_timeout=10, poll_max=0.05)
+        mgr = TorchCheckpointManager(root, state(1), commit_timeout=COMMIT_TIMEOUT, poll_max=0.05)
         for step in (1, 2):
             mgr.save(step, state(step))
         mgr.wait(committed=True, timeout=60)
-        # step 3: rank 1's "w" has other placements than the manager was built with: refused at that save
+        # step 3: rank 1 (not the committer's) has "w" in other placements than the manager was built with:
+        # refused at that save
         both = ("'w'", "['R', 'S(1)']", "['S(0)', 'S(1)']")
+        torch.distributed.barrier()
+        started = time.monotonic()
         if rank == 1:
             with pytest.raises(LayoutError) as refused:
                 mgr.save(3, state(3, odd=True))
             assert all(t in str(refused.value) for t in both), refused.value
         else:
             mgr.save(3, state(3))
-            # given up after commit_timeout, never half-committed; the committer's message (raised by every
-            # other rank's wait) says why rank 1 wrote nothing
+            # given up at once (the committer reads the refusal while it waits for rank 1), never half-committed;
+            # the committer's message (raised by every other rank's wait) says why rank 1 wrote nothing. A wait
+            # shorter than the commit timeout: without the fail-fast it raises TimeoutError instead
             with pytest.raises(rs.UncommittedCheckpointError, match=r"ranks \[1\] have not written") as lost:
                 mgr.wait(committed=True, timeout=60)
+            assert time.monotonic() - started < 30, "waited for the commit timeout"
             assert "rank 1 refused to save: tensor 'w'" in str(lost.value), lost.value
+            assert "not waiting for the 120 s timeout" in str(lost.value), lost.value
             assert all(t in str(lost.value) for t in both), lost.value
         torch.distributed.barrier()
         # step 4: the committer's own rank refuses: it records the failure, the others raise without waiting
@@ -366,6 +372,15 @@ def _disagree_job(rank: int, world: int, port: int, root: str) -> None:
         loaded = state(0)
         assert mgr.load(loaded, step=2) == 2  # the last step committed, restorable
         np.testing.assert_array_equal(loaded["w"].full_tensor().numpy(), (full * 2).numpy())
+        # load() without a step on ranks that saved a given-up step: the newest committed step, with a warning
+        # naming the steps given up and why
+        loaded = state(0)
+        with pytest.warns(RuntimeWarning, match=r"step 3 was given up .*; step 4 was given up \(rank 0 refused to "
+                                                r"save: tensor 'w'.*restoring step 2, the newest committed step"):
+            assert mgr.load(loaded) == 2
+        np.testing.assert_array_equal(loaded["w"].full_tensor().numpy(), (full * 2).numpy())
+        with pytest.warns(RuntimeWarning, match="step 4 was given up"):
+            assert mgr.restorable_step() == 2  # and again, each time saying so
         mgr.close(raise_errors=False)
         torch.distributed.barrier()
         # a job whose ranks map "w" differently: every rank refuses at the start, naming both layouts
@@ -377,6 +392,10 @@ def _disagree_job(rank: int, world: int, port: int, root: str) -> None:
         assert "rank 1 has shape [8, 6] mesh [2, 2] placements ['R', 'S(1)']" in text, text
     finally:
         torchproc.done()
+
+
+#: The disagreement job's commit timeout: far above what a refusal may take to fail a step (it must not wait for it).
+COMMIT_TIMEOUT = 120
 
 
 def test_layout_disagreement_is_refused_where_it_happens(tmp_path: Path) -> None:

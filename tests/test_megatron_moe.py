@@ -5,7 +5,8 @@ bf16 GPT with 4 GELU experts (SequentialMLP) on 4 gloo ranks, TP=1 x EP=2 (dense
 expert-data-parallelism 2), two Adam steps, the optimizer a ChainedOptimizer of two (0: dense, 1: experts),
 saved in the ``dp_reshardable`` and ``fully_reshardable`` forms, with what the job held per parameter in
 reference_moe_<form>.npz; moe_tp2_dp_reshardable the same at TP=2 x EP=2 x DP=2, and moe_grouped_<form>
-with the legacy GroupedMLP experts. CI checks the import and export against them without Megatron; where
+(moe_grouped_glu_<form>: SwiGLU experts) with the legacy GroupedMLP experts. CI checks the import and export
+against them without Megatron; where
 ``RESHARD_MEGATRON16_PYTHON`` names an interpreter with megatron-core >= 0.13, Megatron loads the exports at other
 parallelisms and trains on (load_moe.py), its losses compared with an uninterrupted run.
 """
@@ -150,14 +151,58 @@ def test_moe_export_refusals(tmp_path):
         export_megatron(str(tmp_path / "rs"), str(tmp_path / "y"), ep=0)
 
 
-def test_grouped_mlp_buckets_are_refused_not_guessed(tmp_path):
-    """GroupedMLP (legacy grouped GEMM) saves its expert weights through factories (per-expert transposed views of
-    one parameter), so no saved block equals a stretch of its flat main parameter: the dp_reshardable import
-    refuses, naming the experts' bucket, and writes nothing."""
-    with pytest.raises(FormatError, match=r"moe_grouped_dp_reshardable/\.metadata: bucket 0 of buffer 0 of "
-                                          r"data-parallel group 0 of chained_1\.optimizer\.distributed: the fp32 main "
-                                          r"parameter at element 0 equals no saved model weight"):
-        import_megatron(str(DATA / "moe_grouped_dp_reshardable"), str(tmp_path / "x"))
+GROUPED = ("moe_grouped_dp_reshardable", "moe_grouped_fully_reshardable", "moe_grouped_glu_dp_reshardable",
+           "moe_grouped_glu_fully_reshardable")
+
+
+@pytest.mark.parametrize("sample", GROUPED)
+def test_grouped_mlp_import_is_exact(tmp_path, sample):
+    """GroupedMLP (legacy grouped GEMM) keeps an EP rank's experts in one parameter and saves them through a
+    factory (transposed views named and shaped as SequentialMLP's); its dp_reshardable buckets hold the parameter
+    flat. Both forms import exact: every weight and state equals what the job held (reference_<sample>.npz, rendered
+    by Megatron's own factory, make_moe.py's held), the experts' states named, shaped and blocked as the saved
+    weights; the dp_reshardable import equals the fully_reshardable one (Megatron's own transform of the same
+    state) tensor for tensor. SwiGLU experts (the gate/up halves saved as two blocks each) included, their weight1
+    split over the two expert-data-parallel ranks."""
+    done = import_megatron(str(DATA / sample), str(tmp_path / "rs"))
+    ckpt = rs.open(str(tmp_path / "rs"))
+    want = reference(sample)
+    assert set(ckpt) == set(want) and not done["skipped"]
+    _same(ckpt, want)
+    glu = "_glu_" in sample
+    fc1 = f"chained_1.optimizer.state.exp_avg.{EXPERTS}"
+    assert ckpt.tensor(fc1).shape == ckpt.tensor(EXPERTS).shape == (1, 4, 24 if glu else 12, 8)
+    blocks = sorted(tuple((r.start, r.stop) for r in b.region) for b in ckpt.tensor(fc1).layout.blocks())
+    assert blocks == sorted(tuple((r.start, r.stop) for r in b.region) for b in ckpt.tensor(EXPERTS).layout.blocks())
+    assert len(blocks) == (4 if glu else 2)  # an EP rank's experts (gate and up apart)
+    if sample.endswith("_dp_reshardable"):
+        import_megatron(str(DATA / sample.replace("_dp_", "_fully_")), str(tmp_path / "fully"))
+        fully = rs.open(str(tmp_path / "fully"))
+        assert set(fully) == set(ckpt)
+        for name in ckpt:
+            np.testing.assert_array_equal(ckpt[name].read(), fully[name].read(), err_msg=name)
+
+
+def test_grouped_mlp_parameter_matching_neither_form_is_refused(tmp_path):
+    """A bucket parameter that is neither a saved block nor GroupedMLP's transposed view of one (here: the
+    experts' linear_fc1 renamed, so no GroupedMLP candidate stands for weight1) is refused with the real reason,
+    naming the bucket and element; nothing is written."""
+    folder = tmp_path / "src"
+    shutil.copytree(DATA / "moe_grouped_glu_dp_reshardable", folder)
+    md = pickle.loads((folder / ".metadata").read_bytes())  # the test's own sample
+
+    def rename(fqn):
+        return fqn.replace("experts.experts.linear_fc1.", "experts.experts.linear_fc3.")
+
+    md.state_dict_metadata = {rename(k): v for k, v in md.state_dict_metadata.items()}
+    for index in list(md.storage_data):
+        md.storage_data[type(index)(rename(index.fqn), index.offset, index.index)] = md.storage_data.pop(index)
+    (folder / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(FormatError, match=r"src/\.metadata: bucket 0 of buffer 0 of data-parallel group 0 of "
+                                          r"chained_1\.optimizer\.distributed: the fp32 main parameter at element "
+                                          r"192 equals no saved model weight .*: the saved weights are not the "
+                                          r"optimizer's main parameters"):
+        import_megatron(str(folder), str(tmp_path / "x"))
     assert not (tmp_path / "x").exists()
 
 
@@ -242,9 +287,10 @@ needs_megatron = pytest.mark.skipif(not _has_megatron(), reason="megatron-core >
                                                                 "(set RESHARD_MEGATRON16_PYTHON)")
 
 
-def _load_moe(*args: str) -> None:
+def _load_moe(*args: str, experts: str = "") -> None:
+    """load_moe.py (``experts``: its MOE_EXPERTS, make_moe.build's experts)."""
     done = subprocess.run([MC_PYTHON, str(DATA / "load_moe.py"), *args], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "MOE_EXPERTS": experts})
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -268,6 +314,22 @@ def test_real_megatron_loads_the_moe_export_at_another_parallelism(tmp_path, sam
     import_megatron(str(DATA / sample), str(tmp_path / "rs"))
     export_megatron(str(tmp_path / "rs"), str(tmp_path / "mc"), ep=1 if ep == 1 else None)
     _load_moe("load", str(tmp_path / "mc"), str(tmp_path / "held.npz"), str(tp), str(ep), str(world))
+    _held_equals_reference(tmp_path / "held.npz", sample)
+
+
+@needs_megatron
+@pytest.mark.parametrize("sample, ep, world", [("moe_grouped_dp_reshardable", 2, 4),
+                                               ("moe_grouped_glu_dp_reshardable", 4, 4),
+                                               ("moe_grouped_glu_dp_reshardable", 1, 2)])
+def test_real_megatron_grouped_mlp_loads_the_export(tmp_path, sample, ep, world):
+    """A GroupedMLP dp_reshardable save (EP=2 x DP=4) -> import -> export (the fully_reshardable form, the experts
+    under SequentialMLP's names as GroupedMLP's factories save and load them) -> Megatron-Core builds the
+    GroupedMLP model at EP (the same; 4: one expert per rank; 1 through ep=1, one optimizer) and loads it: every
+    weight and state it then holds equals what the saving job held."""
+    import_megatron(str(DATA / sample), str(tmp_path / "rs"))
+    export_megatron(str(tmp_path / "rs"), str(tmp_path / "mc"), ep=1 if ep == 1 else None)
+    experts = "grouped_glu" if "_glu_" in sample else "grouped"
+    _load_moe("load", str(tmp_path / "mc"), str(tmp_path / "held.npz"), "1", str(ep), str(world), experts=experts)
     _held_equals_reference(tmp_path / "held.npz", sample)
 
 
@@ -316,9 +378,11 @@ def test_megatron_alone_cannot_load_the_chained_save_at_ep1(tmp_path):
 def test_real_megatron_moe_saves_import(tmp_path):
     out = tmp_path / "mc"
     done = subprocess.run([MC_PYTHON, str(DATA / "make_moe.py"), str(out)], capture_output=True, text=True,
-                          timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          timeout=1800, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
-    for form in FORMS:
-        import_megatron(str(out / f"moe_{form}"), str(tmp_path / form))
-        with np.load(out / f"reference_moe_{form}.npz", allow_pickle=False) as ref:
-            _same(rs.open(str(tmp_path / form)), {n: ref[n] for n in ref.files})
+    written = sorted(p.name for p in out.iterdir() if p.is_dir())
+    assert set(written) >= {f"moe_{form}" for form in FORMS} | set(GROUPED), written
+    for name in written:  # every sample, GroupedMLP's included
+        import_megatron(str(out / name), str(tmp_path / name))
+        with np.load(out / f"reference_{name}.npz", allow_pickle=False) as ref:
+            _same(rs.open(str(tmp_path / name)), {n: ref[n] for n in ref.files})

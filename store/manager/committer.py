@@ -12,6 +12,11 @@ manifests it read) between two atomic writes of the index
 :mod:`.index`) and applies retention. A save costs no LIST request at all;
 deleting a step that retention drops lists that step's folder once.
 
+A rank that refuses a step (:meth:`CheckpointManager.refuse`: its save was
+refused before it wrote anything) says so beside the step; while the committer
+waits for that rank's manifest it also reads that note (once it has waited a
+few tenths of a second), and gives the step up at once, with the rank's reason.
+
 A read that fails raises (after the storage layer's retries): a missing
 manifest is "not yet", a missing bucket or a refused request is an error,
 never "nothing there". A save whose ranks do not all write within
@@ -49,6 +54,10 @@ from .retention import Retention, delete_steps, plan, referenced, referenced_ste
 #: First and longest pause between two polls of a missing manifest (seconds).
 POLL_MIN = 0.005
 POLL_MAX = 1.0
+#: Once a rank's manifest has been awaited this long (seconds), the committer also reads that rank's refusal note
+#: (:func:`refusal_key`, one GET), then again at most once per poll and this often: a rank that refused the step
+#: fails it at once, not at the commit timeout. Ranks that write promptly cost no extra request.
+REFUSAL_POLL = 0.16
 #: The root's job liveness hint (host, pid, heartbeat, fencing token): written by the committer's process of the
 #: job that owns the root, for messages and warnings only (who may save is decided by :mod:`..commit.fence`).
 JOB_LOCK_KEY = "manager.lock"
@@ -309,6 +318,7 @@ class Committer:
         got: dict[int, dict[str, Any]] = {}
         deadline = time.monotonic() + self.timeout
         delay, gets, waits = POLL_MIN, 0, 0
+        refusal_check = time.monotonic() + REFUSAL_POLL  # when to look for the awaited rank's refusal next
         while pending:
             rank = pending[0]
             try:
@@ -321,6 +331,7 @@ class Committer:
                 got[rank] = doc
                 pending.pop(0)
                 delay = POLL_MIN
+                refusal_check = time.monotonic() + REFUSAL_POLL
                 continue
             if time.monotonic() >= deadline or self.stop.is_set():
                 self.last_poll = (gets, waits)
@@ -329,6 +340,17 @@ class Committer:
                 raise UncommittedCheckpointError(
                     describe_missing(self.root.child(step_dir(step)).url, pending, got)
                     + f" (gave up {why}; step {step} is abandoned)" + self._refusals(step, pending))
+            if time.monotonic() >= refusal_check:  # one GET: did the awaited rank refuse the step?
+                gets += 1
+                said = self._refusals(step, [rank])
+                if said:
+                    self.last_poll = (gets, waits)
+                    waited = self.timeout - (deadline - time.monotonic())
+                    raise UncommittedCheckpointError(
+                        describe_missing(self.root.child(step_dir(step)).url, [rank], got)
+                        + f" (gave up after {waited:.1f} s, not waiting for the {self.timeout:.0f} s timeout: rank "
+                        f"{rank} refused this step, so it cannot commit; step {step} is abandoned)" + said)
+                refusal_check = time.monotonic() + max(REFUSAL_POLL, delay)
             waits += 1
             self.stop.wait(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, self.poll_max)

@@ -23,6 +23,7 @@ import functools
 import json
 import threading
 import time
+import warnings
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -474,12 +475,13 @@ class CheckpointManager:
         right after it waits for that commit (at most the commit timeout) instead of returning the step
         before it.
 
+        A step of this process's that the committer gave up (a rank refused it or did not write in time) never
+        commits: a :class:`RuntimeWarning` names it and why, and the newest committed step is returned.
+
         Raises
         ------
         TimeoutError
             Naming the step still committing when the commit timeout passes first.
-        UncommittedCheckpointError
-            If the committer gave that step up.
         """
         with self._lock:
             mine = max(self._last.values(), default=None)
@@ -490,7 +492,21 @@ class CheckpointManager:
                 raise TimeoutError(f"{self.url}: step {mine}, saved by this process, is still committing after "
                                    f"{self.committer.timeout:.0f} s (restore a step by number to read an older "
                                    "one)") from e
+            except UncommittedCheckpointError as e:
+                self._given_up(e)
         return self.latest_step()
+
+    def _given_up(self, error: UncommittedCheckpointError) -> None:
+        """A step this process saved was given up (it will never commit): warn, naming it and why, so that the
+        restore takes the newest committed step; re-raise ``error`` if the index records no such step."""
+        index = read_index(self.root)
+        latest = self.latest_step()
+        lost = {s: why for s, why in index.failed.items() if latest is None or s > latest}
+        if not lost:
+            raise error
+        warnings.warn(f"{self.url}: " + "; ".join(f"step {s} was given up ({why})" for s, why in sorted(lost.items()))
+                      + (f"; restoring step {latest}, the newest committed step" if latest is not None else
+                         "; no step is committed"), RuntimeWarning, stacklevel=3)
 
     def settle(self, step: int) -> None:
         """Before reading ``step`` by number: if this process saved it and it is not committed yet, wait for this

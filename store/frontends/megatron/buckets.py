@@ -49,13 +49,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from reshard.layouts import FlatLayout
+from reshard.layouts import FlatLayout, Layout
 from reshard.layouts.errors import FormatError
 from reshard.layouts.megatron_buckets import BucketPiece, bucket_pieces, chunk_bounds, param_start
 
 from ...io.storage import Storage
 from ..torch.dcp import _dcp_item
 from .factory import Block, Part, digest, joined_index, no_match_reason, split_pieces
+from .grouped import grouped_index, is_grouped
 
 BUCKET_KEY = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)"
                         r"\.([A-Za-z_][A-Za-z0-9_]*)")
@@ -72,14 +73,20 @@ Placed = tuple[tuple[BucketPiece, ...], dict[str, str]]  # a parameter's pieces 
 Index = dict[tuple[str, int], dict[bytes, set[Part]]]  # (dtype, length) -> digest -> the blocks joined
 
 
+Source = tuple[str, int, int, int, int]  # (bucket fqn, chunk offset, chunk length, start, stop)
+
+
 @dataclass
 class BucketTensor:
     """One imported state tensor: its layout, dtype, and per range the stored chunk it comes from."""
 
-    layout: FlatLayout
+    layout: Layout
     dtype: str
     #: (bucket fqn, chunk offset, chunk length, start, stop): elements [start, stop) of that stored chunk
-    sources: list[tuple[str, int, int, int, int]] = field(default_factory=list)
+    sources: list[Source] = field(default_factory=list)
+    #: A GroupedMLP state (:mod:`.grouped`; ``layout`` then the saved weight's blocks): per parameter, its blocks
+    #: (a :data:`~.grouped.GROUPED` part) and the sources of its flat memory, in order.
+    grouped: list[tuple[Part, list[Source]]] = field(default_factory=list)
 
 
 def chained_prefix(fqn: str) -> str:
@@ -248,16 +255,21 @@ def _settle(store: Storage, where: dict[Any, Any], found: dict[Part, Placed],
 
 
 def _tensors(md: Any, found: dict[Part, Placed], states: list[str], store: Storage) -> dict[str, BucketTensor]:
+    out = _grouped_tensors(md, {p: v for p, v in found.items() if is_grouped(p)}, states, store)
     # each block's cuts (chunk offset, chunk length, start, stop) in its flattening's order, and the bucket fqns
     cuts: dict[Block, tuple[list[tuple[int, int, int, int, int]], dict[str, str]]] = {}
     for part, (pieces, fqns) in found.items():
+        if is_grouped(part):
+            continue
         for chunk, n, lo, hi, block, at in split_pieces(part, pieces):
             cuts.setdefault(block, ([], fqns))[0].append((chunk, n, lo, hi, at))
     by_key: dict[str, list[Block]] = {}
     for block in cuts:
         by_key.setdefault(block[0], []).append(block)
-    out: dict[str, BucketTensor] = {}
     for name, blocks in sorted(by_key.items()):
+        if f"optimizer.state.{MAIN_PARAM}.{name}" in out:
+            raise FormatError(f"{store.url}: the buckets hold some blocks of {name!r} as GroupedMLP parameters "
+                              f"(transposed) and others as plain parameters")
         item = md.state_dict_metadata[name]
         every = {(tuple(int(x) for x in c.offsets), tuple(int(x) for x in c.sizes)) for c in item.chunks}
         held = {(off, sizes) for _, off, sizes in blocks}
@@ -281,13 +293,41 @@ def _tensors(md: Any, found: dict[Part, Placed], states: list[str], store: Stora
     return out
 
 
+def _grouped_tensors(md: Any, found: dict[Part, Placed], states: list[str], store: Storage
+                     ) -> dict[str, BucketTensor]:
+    """The states of GroupedMLP parameters (:mod:`.grouped`), in the saved weight's name, shape and blocks."""
+    by_key: dict[str, list[tuple[Part, Placed]]] = {}
+    for part, placed in sorted(found.items()):
+        by_key.setdefault(part[1][0], []).append((part, placed))
+    out: dict[str, BucketTensor] = {}
+    for name, parts in by_key.items():
+        item = md.state_dict_metadata[name]
+        every = [(tuple(int(x) for x in c.offsets), tuple(int(x) for x in c.sizes)) for c in item.chunks]
+        held = sorted((off, sizes) for part, _ in parts for _, off, sizes in part[1:])
+        if held != sorted(every):
+            missing = sorted(set(every) - set(held))[:3]
+            raise FormatError(f"{store.url}: the buckets hold the GroupedMLP optimizer state of {name!r} for only "
+                              f"part of it (its blocks at {[list(o) for o, _ in missing]} are "
+                              f"{'missing' if missing else 'held twice'})")
+        shape = tuple(int(n) for n in item.size)
+        lay = Layout.from_blocks(shape, [(i, off, sizes, 0) for i, (off, sizes) in enumerate(every)])
+        for s in states:
+            grouped = [(part, [(fqns[s], chunk, b - a, 0, b - a) for chunk, a, b in pieces])
+                       for part, (pieces, fqns) in parts]
+            dtype = str(md.state_dict_metadata[grouped[0][1][0][0]].properties.dtype).removeprefix("torch.")
+            out[f"optimizer.state.{s}.{name}"] = BucketTensor(lay, dtype, grouped=grouped)
+    return out
+
+
 def model_index(store: Storage, md: Any, where: dict[Any, Any]) -> Index:
-    """What a bucket parameter may equal: every saved model block, and every pair a SwiGLU factory saved (joined)."""
+    """What a bucket parameter may equal: every saved model block, every pair a SwiGLU factory saved (joined), and
+    every GroupedMLP parameter (the transposed view of its blocks, :mod:`.grouped`)."""
     index: Index = {k: {d: {(b,) for b in blocks} for d, blocks in table.items()}
                     for k, table in _model_index(store, md, where).items()}
-    for k, table in joined_index(store, md, where).items():
-        for d, parts in table.items():
-            index.setdefault(k, {}).setdefault(d, set()).update(parts)
+    for extra in (joined_index(store, md, where), grouped_index(store, md, where)):
+        for k, table in extra.items():
+            for d, parts in table.items():
+                index.setdefault(k, {}).setdefault(d, set()).update(parts)
     return index
 
 

@@ -19,7 +19,8 @@ rank of another data-parallel or tensor-parallel size then reads only what it
 needs, and reading a tensor whole integrates it.
 
 The ``dp_reshardable`` form (flat buckets, :mod:`.buckets`) becomes
-each parameter's state in its own shape too; the ``fully_reshardable`` form is
+each parameter's state in its own shape too (a legacy GroupedMLP's in its saved
+weight's shape and blocks, :mod:`.grouped`); the ``fully_reshardable`` form is
 regular tensors. :mod:`.write` writes an import back. Flat buckets under a
 prefix ``chained_<i>.`` (a ``ChainedOptimizer``'s: an MoE model's expert
 parameters get an optimizer of their own) are decoded the same way, each
@@ -54,6 +55,7 @@ from ..sources import Skips, dcp_source, refuse_empty, source_path
 from ..torch.dcp import _dcp_item, _DCPMetadataUnpickler, _regroup, read_dcp_metadata
 from ..torch.pt_files import load_pt, plain, stub_class
 from .buckets import PREFIXED_BUCKETS, chained_prefix, is_bucket_key, is_bucket_object, place_chained_buckets
+from .grouped import blocks_of
 
 
 class _MegatronMetadataUnpickler(_DCPMetadataUnpickler):
@@ -220,6 +222,15 @@ def import_megatron(src: str, dst: str, *, skip: Sequence[str] = (), **options: 
     for fqn, lay in layouts.items():
         flat = isinstance(lay, FlatLayout)
         metas[fqn] = meta = writer.meta(fqn, lay, dtypes[fqn], single_writer=flat)
+        if fqn in buckets and buckets[fqn].grouped:  # GroupedMLP: each parameter's flat state, transposed
+            for part, sources in buckets[fqn].grouped:
+                state = np.concatenate([_chunk(store, where, src, (off,), (n,), to_numpy)[lo:hi].reshape(-1)
+                                        for src, off, n, lo, hi in sources])
+                for (_, offsets, sizes), array in blocks_of(part, state):
+                    writer.write_block(meta, tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True)),
+                                       array)
+                    total += array.nbytes
+            continue
         if not flat:
             for chunk in md.state_dict_metadata[fqn].chunks:
                 offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)

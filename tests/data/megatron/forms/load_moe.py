@@ -11,6 +11,9 @@ step's loss written to LOSSES.json.
 with: the same job at the same parallelism, its weights, fp32 main parameters, Adam moments and step count set
 from REF.npz (what the saving job held, make_moe.py) through the optimizer's own per-parameter setter, no
 checkpoint involved (what it then holds written to OUT.npz); then the same STEPS training steps.
+
+``MOE_EXPERTS=grouped`` or ``grouped_glu`` in the environment: the legacy GroupedMLP experts of make_moe.py's
+``moe_grouped*`` samples (loaded only: its forward needs the CUDA ``grouped_gemm`` kernels).
 """
 
 import datetime
@@ -52,8 +55,9 @@ def own_steps():
 
 
 def fresh(tp, ep):
-    """The job at TP x EP with Adam state allocated (one step on zero gradients, as load_export.py explains)."""
-    ddp, opt = make_moe.build(tp, ep, None)
+    """The job at TP x EP with Adam state allocated (one step on zero gradients, as load_export.py explains);
+    its experts as ``MOE_EXPERTS`` says (make_moe.build's ``experts``: unset for SequentialMLP)."""
+    ddp, opt = make_moe.build(tp, ep, None, os.environ.get("MOE_EXPERTS", ""))
     for p in ddp.module.parameters():
         p.main_grad.zero_()
     opt.step()
