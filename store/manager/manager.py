@@ -23,24 +23,22 @@ import functools
 import json
 import threading
 import time
-import warnings
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import numpy as np
-from reshard.layouts.errors import CheckpointNotFoundError, JobSupersededError, UncommittedCheckpointError
+from reshard.layouts.errors import JobSupersededError, UncommittedCheckpointError
 
 from ..format.grid import writes_any
 from ..format.manifests import read_manifest
 from ..format.tree import LayoutSpec, flatten, to_json
 from ..io.storage import Storage
-from ..read.checkpoint import Checkpoint
-from ..read.open import open as open_checkpoint
 from ..write.writer import CheckpointWriter
 from .committer import JOB_LEASE, Committer, all_layout_ranks, process_ranks, refusal_key
 from .index import StepRecord, committed_steps, metrics_of, read_index, step_dir
+from .reads import StepReads
 from .retention import Retention, pin
 from .staging import StagingPool, as_host, host_dtype
 
@@ -52,7 +50,7 @@ SAVE_THREADS = 4
 BASE_TRIES = 5
 
 
-class CheckpointManager:
+class CheckpointManager(StepReads):
     """Numbered checkpoints of a training run under one root.
 
     Parameters
@@ -457,100 +455,6 @@ class CheckpointManager:
                 self.committer.release_job_lock()
         if raise_errors:
             self.raise_errors()
-
-    # ------------------------------------------------------------- reading
-    def steps(self) -> list[int]:
-        """The committed steps, ascending (one GET of the index; a failed read raises)."""
-        return [r.step for r in committed_steps(self.root)]
-
-    def latest_step(self) -> int | None:
-        """The latest committed step, or None if none is."""
-        steps = self.steps()
-        return steps[-1] if steps else None
-
-    def restorable_step(self) -> int | None:
-        """The latest committed step once this process's own saves are committed: never an older one.
-
-        A save that returned may still be committing (its commit runs in the background); a restore
-        right after it waits for that commit (at most the commit timeout) instead of returning the step
-        before it.
-
-        A step of this process's that the committer gave up (a rank refused it or did not write in time) never
-        commits: a :class:`RuntimeWarning` names it and why, and the newest committed step is returned.
-
-        Raises
-        ------
-        TimeoutError
-            Naming the step still committing when the commit timeout passes first.
-        """
-        with self._lock:
-            mine = max(self._last.values(), default=None)
-        if mine is not None:
-            try:
-                self.wait(committed=True, timeout=self.committer.timeout)
-            except TimeoutError as e:
-                raise TimeoutError(f"{self.url}: step {mine}, saved by this process, is still committing after "
-                                   f"{self.committer.timeout:.0f} s (restore a step by number to read an older "
-                                   "one)") from e
-            except UncommittedCheckpointError as e:
-                self._given_up(e)
-        return self.latest_step()
-
-    def _given_up(self, error: UncommittedCheckpointError) -> None:
-        """A step this process saved was given up (it will never commit): warn, naming it and why, so that the
-        restore takes the newest committed step; re-raise ``error`` if the index records no such step."""
-        index = read_index(self.root)
-        latest = self.latest_step()
-        lost = {s: why for s, why in index.failed.items() if latest is None or s > latest}
-        if not lost:
-            raise error
-        warnings.warn(f"{self.url}: " + "; ".join(f"step {s} was given up ({why})" for s, why in sorted(lost.items()))
-                      + (f"; restoring step {latest}, the newest committed step" if latest is not None else
-                         "; no step is committed"), RuntimeWarning, stacklevel=3)
-
-    def settle(self, step: int) -> None:
-        """Before reading ``step`` by number: if this process saved it and it is not committed yet, wait for this
-        process's commits (at most the commit timeout), so that a load right after the save reads it rather
-        than finding it "never committed". A step this process did not save, or a committed one: one GET at most.
-
-        Raises
-        ------
-        UncommittedCheckpointError
-            If the committer gave a step of this process up.
-        TimeoutError
-            Naming the step still committing when the commit timeout passes first.
-        """
-        with self._lock:
-            mine = max(self._last.values(), default=None)
-        if mine is None or step > mine or step in self.steps():
-            return
-        try:
-            self.wait(committed=True, timeout=self.committer.timeout)
-        except TimeoutError as e:
-            raise TimeoutError(f"{self.url}: step {step}, saved by this process, is still committing after "
-                               f"{self.committer.timeout:.0f} s") from e
-
-    def metrics(self, step: int) -> dict[str, float]:
-        """The metrics recorded with a committed step."""
-        record = next((r for r in committed_steps(self.root) if r.step == step), None)
-        if record is None:
-            raise CheckpointNotFoundError(f"{self.url}: step {step} is not a committed step")
-        return dict(record.metrics)
-
-    def open(self, step: int | None = None, **options: Any) -> Checkpoint:
-        """Open a committed step (default: the latest, see :meth:`restorable_step`) as a lazy :class:`Checkpoint`."""
-        if step is None:
-            step = self.restorable_step()
-            if step is None:
-                raise CheckpointNotFoundError(f"{self.url}: no committed step")
-        else:
-            self.settle(step)
-        options.setdefault("storage_options", self.storage_options)
-        return open_checkpoint(f"{self.url}/{step_dir(step)}", **options)
-
-    def load(self, layouts: LayoutSpec, rank: int, *, step: int | None = None, **options: Any) -> dict[str, Any]:
-        """One rank's pieces of a committed step (default: the latest) under target ``layouts``."""
-        return self.open(step).load(layouts, rank, **options)
 
 
 def _settle(target: Future[Any], fn: Any, *args: Any) -> None:
