@@ -13,15 +13,12 @@ path as ``load`` (shard indexes and chunks crc32c-checked). Each problem is a
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
-import numpy as np
 from reshard.layouts.errors import (
     CheckpointNotFoundError,
     ReshardError,
@@ -31,80 +28,23 @@ from reshard.layouts.errors import (
 
 from ..commit.locate import ByArrays, read_references
 from ..commit.marker import Marker, generation_storage, read_marker, read_root_document
-from ..commit.merge import Merged, merge_ranks, third_form
+from ..commit.merge import merge_ranks, third_form
 from ..commit.protocol import metadata_documents
-from ..format import parquet as references_parquet
 from ..format.manifests import merge_manifests, merge_packed, read_manifest
 from ..format.meta import ArrayMeta, stored_name
 from ..format.refs import REFS_KEY, References, objects_of, templates_for
 from ..format.refs import stream as references_stream
 from ..format.schema import check_group, check_root, loads_json
-from ..io import pool
 from ..io.progress import progress_bar
 from ..io.storage import Storage
 from ..read.checkpoint import Checkpoint
 from ..read.open import _file_not_checkpoint as file_not_checkpoint
 from ..read.open import open, parse_metadata
+from .damage import KINDS, Damage, VerifyReport
 from .verify_data import check_data as _check_data
+from .verify_parquet import check_parquet as _check_parquet
 
-#: Every kind of damage :func:`verify` reports (docs/cli.md describes each).
-KINDS = {
-    "marker": "the commit marker .reshard/commit.json is unreadable or malformed",
-    "uncommitted": "no commit marker: the save was never committed (ranks missing, or commit not called)",
-    "metadata": "the root zarr.json (consolidated metadata) is missing, malformed, or does not match the marker",
-    "array-json": "an array's zarr.json is missing, malformed, or differs from the consolidated metadata",
-    "group-json": "a group's zarr.json is missing, malformed, or differs from the consolidated metadata",
-    "manifest": "a rank's manifest is missing, malformed, or disagrees with the committed metadata",
-    "references": "packed form: refs.json or refs.parq (what zarr-python reads) is missing, does not match the "
-                  "marker, or disagrees with the root zarr.json or with where the ranks' manifests say the shards are",
-    "shard": "a shard object is missing, truncated, or its index is damaged",
-    "checksum": "a chunk's bytes fail their crc32c",
-    "replaced": "the checkpoint was committed anew while it was verified",
-}
-
-@dataclass(frozen=True)
-class Damage:
-    """One problem: its ``kind`` (a key of :data:`KINDS`), where (a file or tensor) and the message."""
-
-    kind: str
-    where: str
-    message: str
-
-
-@dataclass
-class VerifyReport:
-    """What :func:`verify` found. ``ok`` is true when nothing is damaged."""
-
-    url: str
-    committed: bool = False
-    tensors: int = 0
-    bytes_checked: int = 0
-    chunks_checked: int = 0
-    files_checked: int = 0
-    without_checksums: list[str] = field(default_factory=list)
-    damage: list[Damage] = field(default_factory=list)
-    seconds: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return not self.damage
-
-    @property
-    def problems(self) -> list[str]:
-        """One line per damage."""
-        return [d.message for d in self.damage]
-
-    def kinds(self) -> set[str]:
-        return {d.kind for d in self.damage}
-
-    def as_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out.update(ok=self.ok, problems=self.problems)
-        return out
-
-    def add(self, kind: str, where: str, error: BaseException | str) -> None:
-        text = " ".join(str(error).split())
-        self.damage.append(Damage(kind, where, text if where in text else f"{where}: {text}"))
+__all__ = ["KINDS", "Damage", "VerifyReport", "documents", "verify"]
 
 
 def verify(url: str, *, storage_options: dict[str, Any] | None = None, data: bool = True,
@@ -265,105 +205,6 @@ def _committed_streaming(root: Storage, gen: Storage, marker: Marker, storage_op
         return None
     ckpt.fetcher.locator = ByArrays(gen, merged)  # every shard where the merge says, no dict of every shard
     return ckpt
-
-
-def _check_parquet(gen: Storage, marker: Marker, ckpt: Checkpoint, report: VerifyReport) -> None:
-    """The save's parquet references (what plain zarr may read instead of ``refs.json``): every file there,
-    against the digest its marker records, and every row (a shard's object, offset and length) against the
-    ranks' shard tables, so an edit re-sealed in the marker is reported too. A file at a time per I/O thread."""
-    where = f"{gen.url}/{references_parquet.PARQUET_KEY}"
-    merged = _merged(gen, marker, ckpt)
-    if merged is None:
-        if report.ok:  # otherwise what keeps the tables from merging is reported already
-            report.add("references", where, "its rows cannot be checked: the ranks' shard tables do not merge")
-        return
-    metas = [merged.metas[n] for n in ckpt.arrays]
-    paths, grids = [m.path for m in metas], [m.grid for m in metas]
-    start = dict(zip(merged.metas, merged.starts, strict=True))
-    objects = np.asarray(merged.objects, dtype=object)
-
-    def rows(t: int, key: str, lo: int, hi: int) -> tuple[str | None, Damage | None]:
-        raw = _parquet_file(gen, key)
-        if not isinstance(raw, bytes):
-            return None, raw
-        at = start[metas[t].name]
-        want = objects[merged.obj[at + lo : at + hi]], merged.off[at + lo : at + hi], merged.length[at + lo : at + hi]
-        return hashlib.sha256(raw).hexdigest(), _check_rows(f"{where}/{key}", raw, metas[t], lo, want)
-
-    def zmetadata() -> tuple[str | None, Damage | None]:
-        raw = _parquet_file(gen, ".zmetadata")
-        if not isinstance(raw, bytes):
-            return None, raw
-        want = references_parquet.metadata(read_root_document(gen, marker)[1], paths, grids)
-        if raw != want and _json_or_none(raw) != json.loads(want):
-            return hashlib.sha256(raw).hexdigest(), Damage(
-                "references", f"{where}/.zmetadata", f"{where}/.zmetadata differs from the save's root document "
-                                                     "and grids (what plain zarr reads the tensors' metadata from)")
-        return hashlib.sha256(raw).hexdigest(), None
-
-    last = zmetadata()  # first: the root document it parses (O(tensors)) is let go before the rows are read
-    jobs = [functools.partial(rows, *r) for r in references_parquet.records(paths, grids)]
-    done = [*pool.run_all(jobs, gen.local), last]
-    report.damage += [d for _, d in done if d is not None]
-    shas = [sha for sha, _ in done if sha is not None]
-    report.files_checked += len(shas)
-    if len(shas) == len(done) and references_parquet.digest(shas) != marker.parquet_sha256:
-        report.add("references", where, "the parquet references do not match the digest the commit marker names: "
-                                        "a file was edited, truncated or replaced (refs.json and reshard's reads "
-                                        "are not affected; plain zarr readers of refs.parq are)")
-
-
-def _json_or_none(raw: bytes) -> Any:
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError):
-        return None
-
-
-def _merged(gen: Storage, marker: Marker, ckpt: Checkpoint) -> Merged | None:
-    """Every shard's location from the ranks' shard tables: the merge the streaming checks made, or a new one."""
-    locator = ckpt.fetcher.locator
-    if isinstance(locator, ByArrays):
-        return cast(Merged, locator.merged)
-    try:
-        return merge_ranks(gen, marker.save_id, list(marker.ranks), fresh=True)
-    except (ReshardError, FileNotFoundError):
-        return None
-
-
-def _parquet_file(gen: Storage, key: str) -> bytes | Damage:
-    """One file of the parquet references, or the damage that it is missing or unreadable."""
-    where = f"{gen.url}/{references_parquet.PARQUET_KEY}/{key}"
-    try:
-        return gen.read(f"{references_parquet.PARQUET_KEY}/{key}")
-    except FileNotFoundError:
-        return Damage("references", where, f"{where}: missing: a parquet references file of the save is gone")
-    except ReshardError as e:
-        return Damage("references", where, " ".join(str(e).split()))
-
-
-def _check_rows(where: str, raw: bytes, meta: ArrayMeta, lo: int, want: tuple[np.ndarray, ...]) -> Damage | None:
-    """The rows of one parquet file (shards ``lo``... of ``meta``) against the ranks' locations ``want``."""
-    try:
-        got = references_parquet.decode(where, raw)
-    except ReshardError as e:
-        return Damage("references", where, " ".join(str(e).split()))
-    if len(got[0]) != len(want[0]):
-        return Damage("references", where, f"{where}: tensor {meta.name!r}: {len(got[0])} rows where its grid has "
-                                           f"{len(want[0])} shards here")
-    differ = np.flatnonzero((got[0] != want[0]) | (got[1] != want[1]) | (got[2] != want[2]))
-    if not differ.size:
-        return None
-    i = int(differ[0])
-    index = tuple(int(x) for x in np.unravel_index(lo + i, meta.grid)) if meta.grid else ()
-    return Damage("references", where, f"{where}: tensor {meta.name!r}, shard {meta.shard_key(index)!r}: row {i} "
-                                       f"locates it at {_location(got, i)} where the ranks' shard tables say "
-                                       f"{_location(want, i)} ({differ.size} row(s) differ): plain zarr reading "
-                                       "refs.parq would read other bytes than reshard")
-
-
-def _location(columns: tuple[np.ndarray, ...], i: int) -> str:
-    return f"{columns[0][i]} bytes {int(columns[1][i])}+{int(columns[2][i])}"
 
 
 def _read_differs(arrays: dict[str, ArrayMeta], docs: dict[str, Any]) -> str | None:

@@ -20,7 +20,7 @@ from ..format.meta import ArrayMeta
 from ..read.checkpoint import Checkpoint
 
 if TYPE_CHECKING:
-    from .verify import VerifyReport
+    from .damage import VerifyReport
 
 #: Bytes of one tensor read at a time (bounded memory).
 SLAB_BYTES = 32 << 20
