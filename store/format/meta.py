@@ -21,7 +21,7 @@ from reshard.layouts.errors import BadNameError, FormatError
 
 from .dtypes import numpy_dtype
 from .grid import Grid, allowed_grids, shard_writer
-from .schema import check_array
+from .schema_array import check_array
 
 #: Version of the reshard layer on top of zarr v3 (attributes, marker, manifests).
 FORMAT_VERSION = 2
@@ -395,7 +395,7 @@ class ArrayMeta:
 
     @classmethod
     def from_zarr_json(cls, name: str, doc: dict[str, Any], where: str = "zarr.json") -> ArrayMeta:
-        """Read back :meth:`to_zarr_json`, strictly (see :func:`reshard.store.format.schema.check_array`).
+        """Read back :meth:`to_zarr_json`, strictly (see :func:`reshard.store.format.schema_array.check_array`).
 
         The shard grid must also be one of the grids its layout allows
         (:func:`reshard.store.format.grid.choose_grid`): an edited grid would

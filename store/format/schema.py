@@ -2,9 +2,10 @@
 
 One place for the rules (docs/format.md lists them): the commit marker
 ``.reshard/commit.json``, the per-rank manifests ``.reshard/ranks/<rank>.json``,
-a generation's root ``zarr.json`` (consolidated metadata), each array's
-``zarr.json`` (its ``attributes.reshard`` and its layout JSON), and tensor names
-before anything is written. Every failure is a :class:`FormatError` (or
+a generation's root ``zarr.json`` (consolidated metadata), and tensor names
+before anything is written; each array's and group's own ``zarr.json`` (its
+``attributes.reshard`` and its layout JSON) in :mod:`.schema_array`, with the
+helpers here. Every failure is a :class:`FormatError` (or
 :class:`BadNameError` for names) whose message names the file (URL and key) or
 the tensor; no ``KeyError``/``TypeError``/``ValueError`` of a malformed document
 escapes.
@@ -13,8 +14,8 @@ The checks are cheap per document; the consolidated metadata is checked as a
 whole at open (types, ``node_type``, the hierarchy), each array document when
 its tensor is parsed, and everything again by ``reshard verify``.
 
-This module imports no other part of ``store.format`` but :mod:`.dtypes` and
-:mod:`.grid` (``meta`` imports it), so any reader can use it.
+This module imports no other part of ``store.format`` but :mod:`.dtypes`
+(``meta`` and :mod:`.schema_array` import it), so any reader can use it.
 """
 
 from __future__ import annotations
@@ -29,8 +30,7 @@ from typing import Any
 from reshard.layouts import Layout
 from reshard.layouts.errors import BadNameError, FormatError
 
-from .dtypes import SUPPORTED, numpy_dtype
-from .grid import Grid
+from .dtypes import SUPPORTED
 
 #: Longest name component (bytes) a file system takes (ext4, xfs, APFS, NTFS: 255).
 MAX_COMPONENT_BYTES = 255
@@ -106,7 +106,7 @@ def check_digest(doc: Mapping[str, Any], where: str, known: Iterable[str] = ()) 
 
 
 # ------------------------------------------------------------------ values
-def _fail(where: str, field: str, want: str, got: Any) -> FormatError:
+def fail(where: str, field: str, want: str, got: Any) -> FormatError:
     shown = repr(got)
     shown = shown if len(shown) <= 80 else shown[:77] + "..."
     return FormatError(f"{where}: field {field!r} must be {want}, got {shown}")
@@ -129,16 +129,16 @@ def get(doc: Any, field: str, where: str) -> Any:
 def int_list(value: Any, where: str, field: str, *, minimum: int = 0, length: int | None = None) -> tuple[int, ...]:
     """A list of ints ``>= minimum`` (of ``length`` items when given) as a tuple."""
     if type(value) is not list or not all(is_int(v) and v >= minimum for v in value):
-        raise _fail(where, field, f"a list of ints >= {minimum}", value)
+        raise fail(where, field, f"a list of ints >= {minimum}", value)
     if length is not None and len(value) != length:
-        raise _fail(where, field, f"a list of {length} ints", value)
+        raise fail(where, field, f"a list of {length} ints", value)
     return tuple(value)
 
 
 def dtype_of(value: Any, where: str, field: str = "data_type") -> str:
     """A known dtype name."""
     if not isinstance(value, str) or value not in SUPPORTED:
-        raise _fail(where, field, f"one of {', '.join(SUPPORTED)}", value)
+        raise fail(where, field, f"one of {', '.join(SUPPORTED)}", value)
     return value
 
 
@@ -225,30 +225,30 @@ def marker_fields(doc: Any, where: str) -> dict[str, Any]:
     form = doc.get("form", "directory")
     refs_digest = doc.get("references_sha256")
     if not isinstance(generation, str):
-        raise _fail(where, "generation", "a string", generation)
+        raise fail(where, "generation", "a string", generation)
     if (save_id is not None and not isinstance(save_id, str | int)) or isinstance(save_id, bool):
-        raise _fail(where, "save_id", "a string or null", save_id)
+        raise fail(where, "save_id", "a string or null", save_id)
     if isinstance(time, bool) or not isinstance(time, int | float):
-        raise _fail(where, "time", "a number", time)
+        raise fail(where, "time", "a number", time)
     if not is_int(tensors) or tensors < -1:
-        raise _fail(where, "tensors", "an int >= 0", tensors)
+        raise fail(where, "tensors", "an int >= 0", tensors)
     if digest is not None and (not isinstance(digest, str) or not _HEX64.fullmatch(digest)):
-        raise _fail(where, "metadata_sha256", "64 lowercase hex digits", digest)
+        raise fail(where, "metadata_sha256", "64 lowercase hex digits", digest)
     if not isinstance(form, str):
-        raise _fail(where, "form", "a string", form)
+        raise fail(where, "form", "a string", form)
     if refs_digest is not None and (not isinstance(refs_digest, str) or not _HEX64.fullmatch(refs_digest)):
-        raise _fail(where, "references_sha256", "64 lowercase hex digits", refs_digest)
+        raise fail(where, "references_sha256", "64 lowercase hex digits", refs_digest)
     seal: tuple[Any, Any] = (doc.get("summary_bytes"), doc.get("summary_sha256"))
     if seal != (None, None) and not (is_int(seal[0]) and seal[0] >= 1 and isinstance(seal[1], str)
                                      and _HEX64.fullmatch(seal[1])):
-        raise _fail(where, "summary_bytes/summary_sha256", "an int >= 1 and 64 lowercase hex digits, or absent",
+        raise fail(where, "summary_bytes/summary_sha256", "an int >= 1 and 64 lowercase hex digits, or absent",
                     list(seal))
     parquet = doc.get("parquet_sha256")
     if parquet is not None and (not isinstance(parquet, str) or not _HEX64.fullmatch(parquet) or form != "packed"):
-        raise _fail(where, "parquet_sha256", "64 lowercase hex digits (packed form only), or absent", parquet)
+        raise fail(where, "parquet_sha256", "64 lowercase hex digits (packed form only), or absent", parquet)
     locations = doc.get("locations")
     if locations not in (None, "ranks", "references") or (locations is not None and form != "packed"):
-        raise _fail(where, "locations", "'ranks' or 'references' (packed form only), or absent", locations)
+        raise fail(where, "locations", "'ranks' or 'references' (packed form only), or absent", locations)
     out.update(generation=generation, save_id=None if save_id is None else str(save_id), time=float(time),
                tensors=tensors, ranks=list(int_list(ranks, where, "ranks")), metadata_sha256=digest, form=form,
                references_sha256=refs_digest, locations=locations, summary_bytes=seal[0], summary_sha256=seal[1],
@@ -273,24 +273,24 @@ def check_manifest(doc: Any, where: str) -> dict[str, Any]:
     check_digest(doc, where, _MANIFEST_FIELDS)
     rank, expected = get(doc, "rank", where), get(doc, "expected_ranks", where)
     if not is_int(rank) or rank < 0:
-        raise _fail(where, "rank", "an int >= 0", rank)
+        raise fail(where, "rank", "an int >= 0", rank)
     int_list(expected, where, "expected_ranks")
     save_id = doc.get("save_id")
     if save_id is not None and not isinstance(save_id, str):
-        raise _fail(where, "save_id", "a string", save_id)
+        raise fail(where, "save_id", "a string", save_id)
     fence = doc.get("fence")  # the writing job's fencing token (reshard.store.commit.fence); absent before
     if fence is not None and (not is_int(fence) or fence < 1):
-        raise _fail(where, "fence", "an int >= 1", fence)
+        raise fail(where, "fence", "an int >= 1", fence)
     leaves = get(doc, "leaves", where)
     if not isinstance(leaves, dict):
-        raise _fail(where, "leaves", "an object", leaves)
+        raise fail(where, "leaves", "an object", leaves)
     if "groups" in doc and "tensors" not in doc:  # a third-form trailer's (reshard.store.format.table)
         _check_groups(doc, where)
         return doc
     if "tensors_sha256" in doc and "tensors" not in doc:
         sha = doc["tensors_sha256"]
         if not isinstance(sha, str) or not _HEX64.fullmatch(sha):
-            raise _fail(where, "tensors_sha256", "a sha256 hex digest", sha)
+            raise fail(where, "tensors_sha256", "a sha256 hex digest", sha)
         return doc
     check_tensors(get(doc, "tensors", where), where)
     return doc
@@ -303,20 +303,20 @@ def _check_groups(doc: dict[str, Any], where: str) -> None:
     if type(groups) is not list or not all(
             type(g) is list and len(g) == 3 and isinstance(g[0], str) and _HEX64.fullmatch(g[0])
             and is_int(g[1]) and g[1] >= 0 and is_int(g[2]) and g[2] >= 0 for g in groups):
-        raise _fail(where, "groups", "a list of [sha256, carrier rank, tensors]", groups)
+        raise fail(where, "groups", "a list of [sha256, carrier rank, tensors]", groups)
     if type(carried) is not list or not all(
             type(c) is list and len(c) == 2 and isinstance(c[0], str) and _HEX64.fullmatch(c[0])
             and is_int(c[1]) and c[1] >= 0 for c in carried):
-        raise _fail(where, "carried", "a list of [sha256, length]", carried)
+        raise fail(where, "carried", "a list of [sha256, length]", carried)
     if not isinstance(table, str) or not _HEX64.fullmatch(table):
-        raise _fail(where, "table_sha256", "a sha256 hex digest", table)
+        raise fail(where, "table_sha256", "a sha256 hex digest", table)
 
 
 def check_tensors(tensors: Any, where: str) -> dict[str, Any]:
     """A manifest's ``tensors`` object, typed: each entry's layout parsed, its chunk and shard checked
     against it (same number of dims; the chunk divides the shard)."""
     if not isinstance(tensors, dict):
-        raise _fail(where, "tensors", "an object", tensors)
+        raise fail(where, "tensors", "an object", tensors)
     for name, t in tensors.items():
         at = f"{where}: tensor {name!r}"
         if not isinstance(t, dict) or not {"dtype", "chunk", "checksums", "compressor", "layout"} <= set(t):
@@ -330,9 +330,9 @@ def check_tensors(tensors: Any, where: str) -> dict[str, Any]:
             if any(s % c for s, c in zip(shard, chunk, strict=True)):
                 raise FormatError(f"{at}: chunk {list(chunk)} does not divide shard {list(shard)}")
         if not isinstance(t["checksums"], bool):
-            raise _fail(at, "checksums", "true or false", t["checksums"])
+            raise fail(at, "checksums", "true or false", t["checksums"])
         if t["compressor"] not in (None, "zstd"):
-            raise _fail(at, "compressor", "null or 'zstd'", t["compressor"])
+            raise fail(at, "compressor", "null or 'zstd'", t["compressor"])
     return tensors
 
 
@@ -345,7 +345,7 @@ def check_root(doc: Any, where: str) -> tuple[dict[str, Any], dict[str, Any]]:
     ``node_type`` is ``"array"`` or ``"group"``; every array's parents are
     groups listed there, and no array lies under another array. Array
     documents themselves are checked when their tensor is parsed
-    (:func:`check_array`).
+    (:func:`.schema_array.check_array`).
     """
     if not isinstance(doc, dict) or doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
         raise FormatError(f"{where}: not a zarr v3 group document")
@@ -366,123 +366,3 @@ def check_root(doc: Any, where: str) -> tuple[dict[str, Any], dict[str, Any]]:
             raise FormatError(f"{where}: {path!r} lies under {parent!r}, which is "
                               f"{'an array' if parent in docs else 'not listed as a group'}")
     return leaves, docs
-
-
-# ------------------------------------------------------------------- array
-_SHARD_CONFIG = {"chunk_shape", "codecs", "index_codecs", "index_location"}
-_INDEX_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
-
-
-def check_array(name: str, doc: Any, where: str) -> dict[str, Any]:
-    """An array ``zarr.json`` written by reshard, typed; returns its fields.
-
-    Returns ``shape``, ``dtype``, ``shard``, ``chunk``, ``checksums``,
-    ``compressor``, ``layout`` (parsed and matching the shape) and ``origin``.
-    """
-    at = f"{where}: tensor {name!r}"
-    if not isinstance(doc, dict):
-        raise FormatError(f"{at}: array document must be a JSON object")
-    if doc.get("zarr_format") != 3 or doc.get("node_type") != "array":
-        raise FormatError(f"{at}: not a zarr v3 array document (zarr_format {doc.get('zarr_format')!r}, "
-                          f"node_type {doc.get('node_type')!r})")
-    shape = int_list(get(doc, "shape", at), at, "shape")
-    dtype = dtype_of(get(doc, "data_type", at), at)
-    check_shape(at, shape)
-    grid = grid_of(get(doc, "chunk_grid", at), shape, at)
-    shard = grid.shard
-    encoding = doc.get("chunk_key_encoding")
-    if encoding != {"name": "default", "configuration": {"separator": "/"}}:
-        raise _fail(at, "chunk_key_encoding", "the default encoding with separator '/'", encoding)
-    codecs = get(doc, "codecs", at)
-    if type(codecs) is not list or not codecs or not all(isinstance(c, dict) for c in codecs):
-        raise _fail(at, "codecs", "a non-empty list of codec objects", codecs)
-    if shape and grid.edges is not None and codecs[0].get("name") != "sharding_indexed":
-        chunk, inner = shard, codecs  # every cell of a rectilinear grid its own chunk (ArrayMeta.sharded)
-    elif shape:
-        cfg = codecs[0].get("configuration")
-        if (len(codecs) != 1 or codecs[0].get("name") != "sharding_indexed" or not isinstance(cfg, dict)
-                or set(cfg) != _SHARD_CONFIG or cfg["index_location"] != "end" or cfg["index_codecs"] != _INDEX_CODECS):
-            raise _fail(at, "codecs", "one sharding_indexed codec (index at the end, with crc32c)", codecs)
-        chunk = int_list(cfg["chunk_shape"], at, "chunk_shape", minimum=1, length=len(shape))
-        if any(s % c for s, c in zip(grid.divisor(), chunk, strict=True)):
-            what = f"shard {list(shard)}" if grid.edges is None else "every shard edge"
-            raise FormatError(f"{at}: chunk {list(chunk)} does not divide {what}")
-        inner = cfg["codecs"]
-    else:
-        chunk, inner = (), codecs
-    names = [c.get("name") for c in inner] if type(inner) is list and all(isinstance(c, dict) for c in inner) else None
-    if names not in (["bytes"], ["bytes", "crc32c"], ["bytes", "zstd"], ["bytes", "zstd", "crc32c"]) \
-            or inner[0].get("configuration") != {"endian": "little"}:
-        raise _fail(at, "inner codecs", "bytes (little endian) [+ zstd] [+ crc32c]", inner)
-    check_sizes(at, shape, dtype, grid, chunk)
-    attrs = get(doc, "attributes", at)
-    rs = get(attrs, "reshard", at)
-    layout = layout_of(get(rs, "layout", at), at, shape)
-    origin = rs.get("origin")
-    if origin is not None and not isinstance(origin, dict):
-        raise _fail(at, "attributes.reshard.origin", "an object or null", origin)
-    return {"shape": shape, "dtype": dtype, "shard": shard, "edges": grid.edges, "chunk": chunk, "layout": layout,
-            "checksums": "crc32c" in names, "compressor": "zstd" if "zstd" in names else None, "origin": origin}
-
-
-def check_shape(at: str, shape: tuple[int, ...]) -> None:
-    """Refuse a tensor of more than :data:`MAX_NDIM` dimensions or :data:`MAX_ELEMENTS` elements."""
-    if len(shape) > MAX_NDIM:
-        raise FormatError(f"{at}: {len(shape)} dimensions, over the limit of {MAX_NDIM}")
-    if math.prod(shape) > MAX_ELEMENTS:
-        raise FormatError(f"{at}: shape {list(shape)} has {math.prod(shape)} elements, over the limit of "
-                          f"{MAX_ELEMENTS}")
-
-
-def check_sizes(at: str, shape: tuple[int, ...], dtype: str, grid: Grid, chunk: tuple[int, ...]) -> None:
-    """Refuse an array whose counts exceed the limits above, before anything is allocated for it.
-
-    Cheap arithmetic on the document: its shards, the inner chunks of a
-    shard, the bytes of one inner chunk.
-    """
-    if not shape:
-        return
-    shards = math.prod(grid.counts)
-    if shards > MAX_SHARDS:
-        raise FormatError(f"{at}: {shards} shards, over the limit of {MAX_SHARDS} per tensor")
-    chunks = math.prod(-(-s // c) for s, c in zip(grid.shard, chunk, strict=True))
-    if chunks > MAX_CHUNKS_PER_SHARD:
-        raise FormatError(f"{at}: inner chunk {list(chunk)} makes {chunks} chunks per shard, over the limit of "
-                          f"{MAX_CHUNKS_PER_SHARD}")
-    nbytes = math.prod(chunk) * numpy_dtype(dtype).itemsize
-    if nbytes > MAX_CHUNK_BYTES:
-        raise FormatError(f"{at}: inner chunk {list(chunk)} is {nbytes} bytes, over the limit of {MAX_CHUNK_BYTES}")
-
-
-def grid_of(doc: Any, shape: tuple[int, ...], at: str) -> Grid:
-    """An array's ``chunk_grid``: regular, or rectilinear with edges adding up to the shape."""
-    if not isinstance(doc, dict) or doc.get("name") not in ("regular", "rectilinear") \
-            or not isinstance(doc.get("configuration"), dict):
-        raise _fail(at, "chunk_grid", "a regular or rectilinear chunk grid", doc)
-    if doc["name"] == "regular":
-        int_list(doc["configuration"].get("chunk_shape"), at, "chunk_grid.configuration.chunk_shape", minimum=1,
-                 length=len(shape))
-    else:  # the edges a rectilinear grid spells, counted before they are expanded
-        specs = doc["configuration"].get("chunk_shapes")
-        for spec, n in zip(specs if isinstance(specs, list) else [], shape, strict=False):
-            count = (-(-n // spec) if is_int(spec) and spec >= 1 else
-                     sum(int(i[1]) if type(i) is list and len(i) == 2 and is_int(i[1]) else 1 for i in spec)
-                     if isinstance(spec, list) else 0)
-            if count > MAX_SHARDS:
-                raise FormatError(f"{at}: its rectilinear chunk grid spells {count} edges along one dimension, "
-                                  f"over the limit of {MAX_SHARDS} shards per tensor")
-    try:
-        grid = Grid.from_json(shape, doc)
-    except FormatError as e:
-        raise FormatError(f"{at}: {e}") from None
-    except (KeyError, TypeError, ValueError) as e:
-        raise _fail(at, "chunk_grid", f"a valid {doc['name']} chunk grid ({e})", doc) from None
-    if grid.edges is not None and any(sum(e) != n for e, n in zip(grid.edges, shape, strict=True)):
-        raise _fail(at, "chunk_grid", f"rectilinear edges that add up to shape {list(shape)}", doc)
-    return grid
-
-
-def check_group(doc: Any, where: str) -> None:
-    """A group ``zarr.json`` (not the root): a zarr v3 group."""
-    if not isinstance(doc, dict) or doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
-        raise FormatError(f"{where}: not a zarr v3 group document")

@@ -34,7 +34,8 @@ from ..format.manifests import merge_manifests, merge_packed, read_manifest
 from ..format.meta import ArrayMeta, stored_name
 from ..format.refs import REFS_KEY, References, objects_of, templates_for
 from ..format.refs import stream as references_stream
-from ..format.schema import check_group, check_root, loads_json
+from ..format.schema import check_root, loads_json
+from ..format.schema_array import check_group
 from ..io.progress import progress_bar
 from ..io.storage import Storage
 from ..read.checkpoint import Checkpoint

@@ -168,7 +168,7 @@ class Fetcher:
         reads (a regular file, no link); a directory-form save's folder is
         walked once, refusing links and anything but regular files and folders.
         ``arrays``: the records of every tensor, checked in full first
-        (:func:`reshard.store.format.schema.check_array`: its sizes and counts
+        (:func:`reshard.store.format.schema_array.check_array`: its sizes and counts
         within the limits), as the library will allocate what they declare.
         """
         for meta in arrays:
