@@ -486,3 +486,19 @@ def test_redivided_then_exported_the_model_gives_the_same_logits(tmp_path: Path,
         got = cls.from_pretrained(tmp_path / "out").eval()(tokens).logits
     assert len(list((tmp_path / "out").glob("*.safetensors"))) > 1  # sharded as asked
     assert torch.equal(got, want)
+
+
+def test_phi3_gate_up_proj_in_halves_and_qkv_proj_whole() -> None:
+    """Phi-3's gate_up_proj ([2F, H], rows [gate; up]) gives tp rank t [gate_t; up_t]; its qkv_proj (q, k, v of
+    unequal sizes under grouped-query attention) stays whole over tp, with a note."""
+    shapes = {"model.layers.0.mlp.gate_up_proj.weight": (16, 8), "model.layers.0.self_attn.qkv_proj.weight": (24, 8)}
+    res = megatron_layouts(shapes, Mesh(tp=2))
+    full = np.arange(16 * 8).reshape(16, 8)
+    lay = res.layouts["model.layers.0.mlp.gate_up_proj.weight"]
+    for t in range(2):
+        local = np.zeros(lay.local_shape(t), dtype=full.dtype)
+        for glob, loc in lay.pieces(t):
+            local[loc] = full[glob]
+        np.testing.assert_array_equal(local, np.concatenate([_part(full[:8], t, 2, 0), _part(full[8:], t, 2, 0)]))
+    assert res.layouts["model.layers.0.self_attn.qkv_proj.weight"].region(1) == (slice(0, 24), slice(0, 8))
+    assert any("kept whole" in n and "qkv_proj" in n for n in res.notes)
