@@ -117,15 +117,4 @@ def rank_table(explicit: Sequence[tuple[Any, ...]]
     return index, [tuple(m) for m in pieces], shapes, replica
 
 
-def concat_dim(pieces: Pieces) -> int | None:
-    """The dim along which a rank's pieces sit one after the other (the others whole), or None."""
-    if len(pieces) < 2:
-        return None
-    ndim = len(pieces[0][1])
-    for d in range(ndim):
-        if all(loc[e] == pieces[0][1][e] for _, loc in pieces for e in range(ndim) if e != d):
-            return d
-    return None
-
-
-__all__ = ["Pieces", "check_rank", "concat_dim", "normalise", "rank_table"]
+__all__ = ["Pieces", "check_rank", "normalise", "rank_table"]

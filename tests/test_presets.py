@@ -502,3 +502,20 @@ def test_phi3_gate_up_proj_in_halves_and_qkv_proj_whole() -> None:
         np.testing.assert_array_equal(local, np.concatenate([_part(full[:8], t, 2, 0), _part(full[8:], t, 2, 0)]))
     assert res.layouts["model.layers.0.self_attn.qkv_proj.weight"].region(1) == (slice(0, 24), slice(0, 8))
     assert any("kept whole" in n and "qkv_proj" in n for n in res.notes)
+
+
+def test_swiglu_expert_fc1_stacked_gives_each_tp_rank_its_experts_gate_and_up() -> None:
+    """Stacked SwiGLU experts ([layers, experts, 2F, H]) at --tp 2 --ep 2: rank (t, e) holds its expert rank's
+    experts, and of each its gate rows t and up rows t (expert tensor parallelism = tp)."""
+    shapes = {"decoder.layers.mlp.experts.experts.linear_fc1.weight": (2, 4, 24, 8),
+              "decoder.layers.mlp.experts.experts.linear_fc2.weight": (2, 4, 8, 12)}
+    lay = megatron_layouts(shapes, Mesh(tp=2, ep=2)).layouts["decoder.layers.mlp.experts.experts.linear_fc1.weight"]
+    full = np.arange(2 * 4 * 24 * 8).reshape(2, 4, 24, 8)
+    for t, e in np.ndindex(2, 2):
+        rank = _rank(t, e, tp=2, ep=2)
+        local = np.zeros(lay.local_shape(rank), dtype=full.dtype)
+        for glob, loc in lay.pieces(rank):
+            local[loc] = full[glob]
+        mine = full[:, 2 * e:2 * e + 2]
+        want = np.concatenate([_part(mine[:, :, :12], t, 2, 2), _part(mine[:, :, 12:], t, 2, 2)], axis=2)
+        np.testing.assert_array_equal(local, want)
