@@ -1,4 +1,5 @@
-"""Explicit blocks ``(rank, global_offset, local_shape, replica_id)``: normalised, numbered and checked to tile.
+"""Explicit blocks ``(rank, global_offset, local_shape, replica_id[, local_offset])``: normalised, numbered and
+checked to tile (a rank listed in several blocks holds them all: :mod:`._pieces`).
 
 Pure geometry below :mod:`.core` (which checks an explicit layout's blocks), :mod:`.flat` (which checks that
 flat ranges tile their blocks) and :mod:`.adapters` (``from_blocks``).
@@ -10,25 +11,35 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from . import _pieces
 from .errors import LayoutError, ShapeMismatchError
 
-#: Normalised explicit blocks: ``(rank, global_offset, local_shape, replica_id)``.
-Explicit = tuple[tuple[int, tuple[int, ...], tuple[int, ...], int], ...]
+#: Normalised explicit blocks: ``(rank, global_offset, local_shape, replica_id)``, and a fifth element, the
+#: block's offset in the rank's local array, for a rank listed in several blocks.
+Explicit = tuple[tuple[Any, ...], ...]
 
 
 def check_blocks(shape: tuple[int, ...], blocks: Sequence[Sequence[Any]]) -> Explicit:
     """Normalise and validate explicit blocks: replica-0 blocks tile `shape` exactly once.
 
-    Replica ``k > 0`` blocks must repeat a replica-0 region, each id once.
+    Replica ``k > 0`` blocks must repeat a replica-0 region, each id once. A
+    rank listed in several blocks gives each its offset in the rank's local
+    array (:func:`._pieces.normalise` checks they tile it).
     """
     out = []
+    entries: list[_pieces.Entry] = []
     for b in blocks:
         try:
-            rank, off, shp, rid = b
+            rank, off, shp, rid, *local = b
+            if len(local) > 1:
+                raise ValueError
             item = (int(rank), tuple(int(v) for v in off), tuple(int(v) for v in shp), int(rid))
+            at = tuple(int(v) for v in local[0]) if local else None
         except (TypeError, ValueError):
-            raise LayoutError(f"block {b!r} is not (rank, global_offset, local_shape, replica_id)") from None
+            raise LayoutError(f"block {b!r} is not (rank, global_offset, local_shape, replica_id[, "
+                              "local_offset])") from None
         _, off, shp, rid = item
+        entries.append((*item, at))
         if len(off) != len(shape) or len(shp) != len(shape):
             raise ShapeMismatchError(f"block {b!r} does not have the {len(shape)} dims of shape {list(shape)}")
         if rid < 0 or any(o < 0 or s < 0 or o + s > size for o, s, size in zip(off, shp, shape, strict=True)):
@@ -45,7 +56,7 @@ def check_blocks(shape: tuple[int, ...], blocks: Sequence[Sequence[Any]]) -> Exp
         if rid and all(shp) and (off, shp) not in primary:
             raise LayoutError(f"block at offset {list(off)} is replica {rid} of no replica-0 block")
     check_tiling(shape, sorted(primary))
-    return tuple(out)
+    return _pieces.normalise(entries)
 
 
 def check_tiling(shape: tuple[int, ...], primary: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
@@ -74,9 +85,9 @@ def number_replicas(blocks: Sequence[Sequence[Any]]) -> list[tuple[Any, ...]]:
     if not any(isinstance(b[3], (tuple, list)) for b in blocks):
         return [tuple(b) for b in blocks]
     same: dict[tuple[Any, ...], list[tuple[tuple[int, ...], int]]] = {}
-    for i, (_, off, shp, rid) in enumerate(blocks):
+    for i, (_, off, shp, rid, *_local) in enumerate(blocks):
         key = (tuple(off), tuple(shp))
         rid = tuple(rid) if isinstance(rid, (tuple, list)) else (rid,)
         same.setdefault(key, []).append((rid, i))
     number = {i: n for group in same.values() for n, (_, i) in enumerate(sorted(group))}
-    return [(b[0], b[1], b[2], number[i]) for i, b in enumerate(blocks)]
+    return [(b[0], b[1], b[2], number[i], *b[4:]) for i, b in enumerate(blocks)]

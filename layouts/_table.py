@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
+from . import _pieces
 from ._split import piece
 from .records import Block
 
@@ -183,17 +184,15 @@ class GridInfo:
 
 
 class ExplicitInfo:
-    """Derived facts of an explicit (Megatron) layout."""
+    """Derived facts of an explicit (Megatron) layout; a rank may hold several blocks (:mod:`._pieces`)."""
 
     def __init__(self, layout: Layout) -> None:
         assert layout.explicit is not None
-        self.index = {b[0]: p for p, b in enumerate(layout.explicit)}
-        self._bounds = [
-            tuple((o, o + s) for o, s in zip(off, shp, strict=True)) for _, off, shp, _ in layout.explicit
-        ]
-        self._replica = [b[3] for b in layout.explicit]
+        self.index, self.pieces, self.shapes, self._replica = _pieces.rank_table(layout.explicit)
+        self.multi = any(len(p) > 1 for p in self.pieces)
         holders: dict[Bounds, list[tuple[int, int]]] = defaultdict(list)
-        for (rank, *_, rid), b in zip(layout.explicit, self._bounds, strict=True):
+        for rank, off, shp, rid, *_ in layout.explicit:
+            b = tuple((o, o + s) for o, s in zip(off, shp, strict=True))
             if all(lo < hi for lo, hi in b):
                 holders[b].append((rid, rank))
         order = sorted(holders, key=lambda b: ([lo for lo, _ in b], [hi for _, hi in b]))
@@ -205,7 +204,8 @@ class ExplicitInfo:
         return (p,)
 
     def bounds(self, p: int) -> Bounds:
-        return self._bounds[p]
+        """The rank's one region (callers check it holds one piece)."""
+        return tuple((s.start, s.stop) for s in self.pieces[p][0][0])
 
     def replica(self, p: int) -> int:
         return self._replica[p]

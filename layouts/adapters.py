@@ -298,12 +298,15 @@ def from_jax(
 
 
 def from_blocks(cls: type[Layout], shape: Sequence[int], blocks: Sequence[Sequence[Any]]) -> Layout:
-    """Layout from explicit ``(rank, global_offset, local_shape, replica_id)`` blocks (Megatron).
+    """Layout from explicit ``(rank, global_offset, local_shape, replica_id[, local_offset])`` blocks (Megatron).
+
+    A rank listed in several blocks holds them all, each at its ``local_offset``
+    in the rank's local array (:meth:`Layout.pieces`).
 
     A Megatron tuple ``replica_id`` is accepted: per region, ids are numbered
     0, 1, 2... in tuple order, so the all-zero main replica writes.
     """
     shp = tuple(int(v) for v in shape)
     explicit = check_blocks(shp, number_replicas(blocks))
-    ranks = tuple(b[0] for b in explicit)
-    return cls(shp, (len(explicit),), ranks, ((),) * len(shp), "even", False, None, explicit, None)
+    ranks = tuple(dict.fromkeys(b[0] for b in explicit))
+    return cls(shp, (len(ranks),), ranks, ((),) * len(shp), "even", False, None, explicit, None)

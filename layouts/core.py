@@ -9,43 +9,21 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from . import _ranks, _table, adapters, jsonform
 from ._blocks import Explicit, check_blocks
 from ._geometry import Geometry, geometry
-from ._split import SPLITS, divides
-from .errors import LayoutError, RankError, ShapeMismatchError
+from ._pieces import Pieces
+from ._ranks import all_ranks  # noqa: F401  (re-exported)
+from ._ranks import check_ints as _ints
+from ._ranks import short as _short
+from ._split import check_dims
+from .errors import LayoutError, RankError
 from .records import Block
-
-
-def all_ranks(layouts: Iterable[Layout]) -> set[int]:
-    """Every rank of some layouts, each distinct rank list read once.
-
-    Layouts over one rank list share its tuple, so a model's 10,000 layouts over
-    4,096 ranks cost 10,000 steps and one union, not 40 million.
-    """
-    lists = {id(lay.ranks): lay.ranks for lay in layouts}
-    return set().union(*lists.values())
-
-
-def _ints(value: Any, what: str, minimum: int = 0) -> tuple[int, ...]:
-    try:
-        out = tuple(map(int, value))
-    except (TypeError, ValueError):
-        raise LayoutError(f"{what} must be a sequence of ints, got {value!r}") from None
-    if out and min(out) < minimum:
-        raise LayoutError(f"{what} {list(out)} holds {min(out)}, below the minimum {minimum}")
-    return out
-
-
-def _short(ranks: tuple[int, ...]) -> str:
-    if ranks and ranks == tuple(range(ranks[0], ranks[0] + len(ranks))):
-        return f"{ranks[0]}..{ranks[-1]}"
-    return str(list(ranks)) if len(ranks) <= 8 else f"[{ranks[0]}, {ranks[1]}, ... {ranks[-1]}]"
 
 
 @dataclass(frozen=True)
@@ -79,7 +57,10 @@ class Layout:
         group, ``s > 0`` groups of s. See :attr:`opt_sharded`.
     explicit : tuple, optional
         Blocks given directly, ``(rank, global_offset, local_shape,
-        replica_id)`` per rank (Megatron); then `mesh` is ``(len(explicit),)``.
+        replica_id)`` per rank (Megatron); then `mesh` is the number of
+        distinct ranks and `ranks` them in order of first appearance. A rank
+        listed in several blocks holds them all, each block with a fifth
+        element, its offset in the rank's local array (see :meth:`pieces`).
     origin : dict, optional
         The framework's own description (JSON-able). Not compared or hashed.
     """
@@ -118,27 +99,7 @@ class Layout:
             raise LayoutError(f"ranks {dup} appear more than once in the layout")
         if not self.dims and self.shape:
             put("dims", ((),) * len(self.shape))
-        put("dims", tuple(_ints(axes, f"dims[{d}]") for d, axes in enumerate(self.dims)))
-        if len(self.dims) != len(self.shape):
-            raise ShapeMismatchError(
-                f"dims {[list(a) for a in self.dims]} has {len(self.dims)} entries "
-                f"but shape {list(self.shape)} has {len(self.shape)} dims"
-            )
-        seen: dict[int, int] = {}
-        for d, axes in enumerate(self.dims):
-            for a in axes:
-                if a >= len(self.mesh):
-                    raise LayoutError(f"dim {d} names mesh axis {a}; mesh {list(self.mesh)} has {len(self.mesh)}")
-                if a in seen:
-                    raise LayoutError(f"mesh axis {a} splits both dim {seen[a]} and dim {d}")
-                seen[a] = d
-        if self.split not in SPLITS:
-            raise LayoutError(f"split {self.split!r} is not one of {list(SPLITS)}")
-        if self.split == "even":
-            for d, (size, axes) in enumerate(zip(self.shape, self.dims, strict=True)):
-                k = divides(size, axes, self.mesh)
-                if k is not None:
-                    raise LayoutError(f"dim {d} of size {size} cannot be split evenly into {k} pieces")
+        put("dims", check_dims(self.shape, self.mesh, self.dims, self.split))
         if self.opt_shard == 0:
             put("opt_shard", None)
         if self.opt_shard is not None and (int(self.opt_shard) < -1 or isinstance(self.opt_shard, bool)):
@@ -150,9 +111,9 @@ class Layout:
     def _check_explicit(self) -> None:
         blocks = check_blocks(self.shape, self.explicit or ())
         object.__setattr__(self, "explicit", blocks)
-        want = tuple(b[0] for b in blocks)
-        if self.mesh != (len(blocks),) or self.ranks != want:
-            raise LayoutError(f"explicit layout must have mesh [{len(blocks)}] and ranks {list(want)}")
+        want = tuple(dict.fromkeys(b[0] for b in blocks))
+        if self.mesh != (len(want),) or self.ranks != want:
+            raise LayoutError(f"explicit layout must have mesh [{len(want)}] and ranks {list(want)}")
         if any(self.dims) or self.opt_shard is not None:
             raise LayoutError("explicit layout cannot also split dims or shard the optimizer")
 
@@ -191,6 +152,11 @@ class Layout:
         return _table.GridInfo(self)
 
     @property
+    def _ex(self) -> _table.ExplicitInfo:
+        """:attr:`_info` of an explicit layout (callers check ``explicit is not None``)."""
+        return cast(_table.ExplicitInfo, self._info)
+
+    @property
     def size(self) -> int:
         """Number of ranks."""
         return len(self.ranks)
@@ -226,16 +192,49 @@ class Layout:
         return self._geo.bounds(self._pos(rank))
 
     def region(self, rank: int) -> tuple[slice, ...]:
-        """Global region held by `rank`, as ``slice(start, stop)`` per dim."""
+        """Global region held by `rank`, as ``slice(start, stop)`` per dim.
+
+        Raises
+        ------
+        LayoutError
+            If `rank` holds several blocks (:meth:`pieces`).
+        """
         if self._one_whole(rank):
             return tuple(slice(0, n) for n in self.shape)
+        if self.explicit is not None and self._ex.multi:
+            found = self._ex.pieces[self._pos(rank)]
+            if len(found) > 1:
+                raise LayoutError(f"rank {rank} holds {len(found)} blocks of this tensor ({self.describe()}, e.g. a "
+                                  "GLU linear_fc1's gate and up halves or a fused q/k/v), not one region: use "
+                                  "Layout.pieces(rank)")
         return tuple(slice(lo, hi) for lo, hi in self._bounds(rank))
 
     def local_shape(self, rank: int) -> tuple[int, ...]:
-        """Shape of `rank`'s local array."""
+        """Shape of `rank`'s local array (a rank holding several blocks: the box they tile, :meth:`pieces`)."""
         if self._one_whole(rank):
             return self.shape
+        if self.explicit is not None:
+            return self._ex.shapes[self._pos(rank)]
         return tuple(hi - lo for lo, hi in self._bounds(rank))
+
+    def pieces(self, rank: int) -> Pieces:
+        """`rank`'s blocks as ``(global region, region of its local array)`` each, in the order given.
+
+        One piece, ``(region(rank), the whole local array)``, for every rank of
+        a layout without :attr:`multi_piece`; a rank of an explicit layout
+        listed in several blocks holds them all, its local array the box their
+        local offsets tile (Megatron's GLU ``linear_fc1``: ``gate[t]`` then
+        ``up[t]`` along dim 0).
+        """
+        if self.explicit is not None:
+            return self._ex.pieces[self._pos(rank)]
+        region = self.region(rank)
+        return ((region, tuple(slice(0, s.stop - s.start) for s in region)),)
+
+    @property
+    def multi_piece(self) -> bool:
+        """Whether some rank holds several blocks (then :meth:`region` refuses it: use :meth:`pieces`)."""
+        return self.explicit is not None and self._ex.multi
 
     def _one_whole(self, rank: int) -> bool:
         """Whether this is one rank's whole tensor and `rank` is that rank (a quick answer without the block

@@ -8,8 +8,10 @@ Version 1::
      "opt_shard": null, "explicit": null, "origin": {...} | null}
 
 ``explicit`` (when not null) is a list of ``[rank, offset, local_shape,
-replica_id]``. A contiguous run of ranks is written as ``{"range": [start,
-stop]}`` to keep metadata small for large meshes.
+replica_id]``, with a fifth element, ``local_offset``, for a rank listed in
+several blocks (where the block sits in the rank's local array). A
+contiguous run of ranks is written as ``{"range": [start, stop]}`` to keep
+metadata small for large meshes.
 
 A flattened-range layout (:class:`~reshard.layouts.flat.FlatLayout`) is::
 
@@ -52,7 +54,8 @@ def to_json(layout: Layout) -> dict[str, Any]:
     ranks: Any = {"range": [found.start, found.start + layout.size]} if found.start is not None else found.as_list
     explicit = None
     if layout.explicit is not None:
-        explicit = [[rk, list(off), list(shp), rid] for rk, off, shp, rid in layout.explicit]
+        explicit = [[rk, list(off), list(shp), rid, *(list(v) for v in local)]
+                    for rk, off, shp, rid, *local in layout.explicit]
     return {
         "version": VERSION,
         "shape": list(layout.shape),
@@ -116,9 +119,11 @@ def from_json(obj: Any, layout: type[Layout], kinds: Mapping[str, type[Layout]])
             raise FormatError(f"layout JSON field 'explicit' must be a list, got {explicit!r}")
         blocks = []
         for b in explicit:
-            if not (isinstance(b, list) and len(b) == 4 and isinstance(b[0], int) and isinstance(b[3], int)):
-                raise FormatError(f"layout JSON explicit block must be [rank, offset, shape, replica], got {b!r}")
-            blocks.append((b[0], tuple(_int_list(b[1], "offset")), tuple(_int_list(b[2], "shape")), b[3]))
+            if not (isinstance(b, list) and len(b) in (4, 5) and type(b[0]) is int and type(b[3]) is int):
+                raise FormatError("layout JSON explicit block must be [rank, offset, shape, replica] or [rank, "
+                                  f"offset, shape, replica, local_offset], got {b!r}")
+            local = (tuple(_int_list(b[4], "local_offset")),) if len(b) == 5 else ()
+            blocks.append((b[0], tuple(_int_list(b[1], "offset")), tuple(_int_list(b[2], "shape")), b[3], *local))
     split, nested = obj.get("split", "even"), obj.get("nested", False)
     opt, origin = obj.get("opt_shard"), obj.get("origin")
     if not isinstance(split, str) or not isinstance(nested, bool):
@@ -231,7 +236,7 @@ def describe(layout: Layout) -> str:
     (its ranks are ``stage * prod(dev) + local``). Otherwise ``mesh[2,4] dims[0,-] even`` where each
     dim lists its mesh axes (``0.1`` = axes 0 then 1, ``-`` = not split),
     followed by ``nested`` and ``optN`` when they apply; explicit layouts are
-    ``blocks[N] explicit``.
+    ``blocks[N] explicit``, plus `` pieces[k]`` when a rank holds up to k > 1 of them.
     """
     opt = f" opt{layout.opt_group_size}" if layout.opt_sharded else ""
     origin = layout.origin or {}
@@ -239,7 +244,8 @@ def describe(layout: Layout) -> str:
         stage = f" stage{origin['stage']}" if origin.get("stage") else ""
         return f"dev{_nums(origin['dev_matrix'])} tmap{_nums(origin['tensor_map'])}{opt}{stage}"
     if layout.explicit is not None:
-        return f"blocks[{len(layout.explicit)}] explicit"
+        several = f" pieces[{max(len(layout.pieces(r)) for r in layout.ranks)}]" if layout.multi_piece else ""
+        return f"blocks[{len(layout.explicit)}] explicit{several}"
     dims = ",".join(".".join(map(str, a)) if a else "-" for a in layout.dims)
     nested = " nested" if layout.nested and any(len(a) > 1 for a in layout.dims) else ""
     return f"mesh{_nums(layout.mesh)} dims[{dims}] {layout.split}{nested}{opt}"

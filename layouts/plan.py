@@ -92,6 +92,10 @@ def plan(source: Layout, target: Layout, rank: int) -> tuple[Piece, ...]:
         flat-range target, box by box in flat order, ``dst`` relative to the box
         (``dst_box``); for a flat-range source, ``src_at`` places the block in its
         holders' arrays. :meth:`Piece.source` and :meth:`Piece.target` apply both.
+        A rank holding several blocks (:meth:`Layout.pieces`): a target's
+        ``dst`` is relative to its whole local array; a source's ``src`` to the
+        local array of the block's writer (replica 0), where the block sits at
+        its local offset.
 
     Raises
     ------
@@ -107,19 +111,37 @@ def plan(source: Layout, target: Layout, rank: int) -> tuple[Piece, ...]:
     if isinstance(target, FlatLayout):
         return tuple(p for at, box in target.boxes(rank)
                      for p in _pieces(source, box, (at, tuple(s.stop - s.start for s in box))))
+    if target.multi_piece:
+        return tuple(p for want, local in target.pieces(rank)
+                     for p in _pieces(source, want, None, tuple(s.start for s in local)))
     return _pieces(source, target.region(rank), None)
 
 
-def _pieces(source: Layout, want: tuple[slice, ...], box: tuple[int, tuple[int, ...]] | None) -> tuple[Piece, ...]:
+def _local_at(source: Layout, block: Block) -> tuple[int, ...] | None:
+    """Where `block` sits in its writer's local array, for a source whose ranks may hold several blocks."""
+    if not source.multi_piece:
+        return None
+    for region, local in source.pieces(block.writer):
+        if region == block.region:
+            return tuple(s.start for s in local)
+    return None  # pragma: no cover (every block is a piece of its writer)
+
+
+def _pieces(source: Layout, want: tuple[slice, ...], box: tuple[int, tuple[int, ...]] | None,
+            at: tuple[int, ...] | None = None) -> tuple[Piece, ...]:
     if any(s.start >= s.stop for s in want):
         return ()
     flat = source if isinstance(source, FlatLayout) else None
+    at = at or (0,) * len(want)
     pieces = []
     for block in _candidates(source, want):
         region = intersect(block.region, want)
         if region is None:
             continue
-        src = tuple(slice(r.start - b.start, r.stop - b.start) for r, b in zip(region, block.region, strict=True))
-        dst = tuple(slice(r.start - w.start, r.stop - w.start) for r, w in zip(region, want, strict=True))
+        shift = _local_at(source, block) or (0,) * len(want)
+        src = tuple(slice(r.start - b.start + k, r.stop - b.start + k)
+                    for r, b, k in zip(region, block.region, shift, strict=True))
+        dst = tuple(slice(r.start - w.start + k, r.stop - w.start + k)
+                    for r, w, k in zip(region, want, at, strict=True))
         pieces.append(Piece(block, src, dst, region, flat.offset_of(block) if flat is not None else None, box))
     return tuple(pieces)

@@ -58,7 +58,9 @@ class Piece:
     block : Block
         The source block read from.
     src : tuple of slice
-        `region` relative to the block's start.
+        `region` relative to the block's start (for a source whose ranks hold
+        several blocks, :meth:`~reshard.layouts.Layout.pieces`: relative to the
+        local array of the block's writer).
     dst : tuple of slice
         `region` relative to the target rank's local array.
     region : tuple of slice

@@ -86,8 +86,9 @@ def test_gpt2_conv1d_weights_split_transposed(tmp_path: Path) -> None:
     p = "transformer.h.0."
     assert ranks[0][p + "mlp.c_fc.weight"].shape == (32, 64)     # Conv1D [in, out]: column = dim 1
     assert ranks[0][p + "mlp.c_proj.weight"].shape == (64, 32)   # row = dim 0
-    assert ranks[0][p + "attn.c_attn.weight"].shape == (32, 96)  # fused q/k/v: whole (docstring)
+    assert ranks[0][p + "attn.c_attn.weight"].shape == (32, 48)  # fused q/k/v: a third of each, side by side
     x = torch.randn(3, 32)
+    _gpt2_attention_sums_to_the_whole(model, ranks, x.numpy(), p, heads=4)
     with torch.no_grad():
         want = model.transformer.h[0].mlp(x).numpy()
     gelu = transformers.activations.ACT2FN[cfg.activation_function]
@@ -99,10 +100,30 @@ def test_gpt2_conv1d_weights_split_transposed(tmp_path: Path) -> None:
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def _gpt2_attention_sums_to_the_whole(model: object, ranks: list[dict[str, np.ndarray]], x: np.ndarray, p: str,
+                                      heads: int) -> None:
+    """Each rank's c_attn ([q_t | k_t | v_t]: its heads' q, k, v) and c_proj rows give a partial attention output;
+    their sum plus the bias is the whole layer's (causal self-attention, as GPT-2 computes it)."""
+    def attend(qkv: np.ndarray, n: int) -> np.ndarray:
+        q, k, v = (a.reshape(len(x), n, -1).transpose(1, 0, 2) for a in np.split(qkv, 3, axis=1))
+        score = q @ k.transpose(0, 2, 1) / np.sqrt(q.shape[-1]) + np.triu(np.full((len(x),) * 2, -np.inf), 1)
+        weight = np.exp(score - score.max(-1, keepdims=True))
+        return ((weight / weight.sum(-1, keepdims=True)) @ v).transpose(1, 0, 2).reshape(len(x), -1)
+
+    attn = model.transformer.h[0].attn  # type: ignore[attr-defined]
+    whole = {n: t.detach().numpy() for n, t in attn.named_parameters()}
+    want = attend(x @ whole["c_attn.weight"] + whole["c_attn.bias"], heads) @ whole["c_proj.weight"]
+    partial = [attend(x @ w[p + "attn.c_attn.weight"] + w[p + "attn.c_attn.bias"], heads // TP)
+               @ w[p + "attn.c_proj.weight"] for w in ranks]
+    np.testing.assert_allclose(sum(partial), want, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(partial[0], want, atol=1e-3)  # each rank's part alone is not the whole
+
+
 def test_preset_rules() -> None:
     assert split_dim("model.layers.3.self_attn.k_proj.bias", 1) == 0
     assert split_dim("model.norm.weight", 1) is None
-    assert split_dim("transformer.h.0.attn.c_attn.weight", 2) is None
+    assert split_dim("transformer.h.0.attn.c_attn.weight", 2) == 1  # q, k, v each split along dim 1
+    assert split_dim("model.layers.0.self_attn.qkv_proj.weight", 2) is None  # q, k, v of unequal sizes: whole
     with pytest.raises(ValueError, match="unknown preset 'deepspeed'"):
         split_dim("x", 2, "deepspeed")
 

@@ -87,6 +87,54 @@ def test_gqa_qkv_is_each_ranks_query_groups(tmp_path):
         ((layer, row, 0), (1, 16, 16)) for layer in (0, 1) for row in (0, 16)]
 
 
+def _megatron_local(whole: np.ndarray, t: int, tp: int) -> np.ndarray:
+    """Megatron's TP rank t's local SwiGLU fc1 of a stacked [layers, 2F, H] tensor: [gate_t; up_t] per layer."""
+    gate, up = np.split(whole, 2, axis=1)
+    return np.concatenate([np.split(gate, tp, axis=1)[t], np.split(up, tp, axis=1)[t]], axis=1)
+
+
+def test_preset_megatron_gives_each_tp_rank_megatrons_swiglu_fc1(tmp_path):
+    """``reshard redivide --preset megatron --tp 2``: each rank loads fc1 (and its fp32 copy and Adam moments) as
+    Megatron's TP rank holds it, [gate_t; up_t] per layer: equal to the whole tensor Megatron held and the import's
+    whole tensor, sliced Megatron's way; and each fc1 chunk the saving job's ranks wrote sits, values equal, in
+    its TP rank's local array where that rank's blocks put it."""
+    from test_presets import _written
+
+    src, dst = tmp_path / "rs", tmp_path / "tp2"
+    assert main(["import", "megatron", str(llama("dp_reshardable")), str(src)]) == 0
+    assert main(["redivide", str(src), str(dst), "--preset", "megatron", "--tp", "2", "--heads", "4",
+                 "--kv-heads", "2"]) == 0
+    want, whole, out = reference("llama_dp_reshardable"), rs.open(str(src)), rs.open(str(dst))
+    names = [n for n in want if n.endswith(FC1)]
+    assert len(names) == 4  # the weight, its fp32 copy and two moments
+    layout = out[FC1].layout
+    assert layout.multi_piece and layout.ranks == (0, 1) and "pieces[2]" in layout.describe()
+    for t in (0, 1):
+        got = out.load({n: out[n].layout for n in names}, t)
+        for name in names:
+            local = np.asarray(rs_leaf(got, name), dtype=np.float32)
+            assert out[name].layout == layout, name
+            np.testing.assert_array_equal(local, _megatron_local(want[name], t, 2), err_msg=name)
+            np.testing.assert_array_equal(local, _megatron_local(np.asarray(whole[name].read(), np.float32), t, 2))
+    chunks = _written(llama("dp_reshardable"))[FC1]
+    assert len(chunks) == 8  # the 4 ranks of data-parallel index 0 (TP2 x PP2), each its gate and up halves
+    for rank, off, size in chunks:
+        t = rank % 2  # Megatron's order tp-cp-ep-dp-pp: tensor-parallel fastest
+        local = np.asarray(rs_leaf(out.load({FC1: layout}, t), FC1), dtype=np.float32)
+        (glob, loc), = [(g, c) for g, c in layout.pieces(t)
+                        if all(r.start <= o and o + n <= r.stop for r, o, n in zip(g, off, size, strict=True))]
+        at = tuple(slice(c.start + o - g.start, c.start + o - g.start + n)
+                   for g, c, o, n in zip(glob, loc, off, size, strict=True))
+        region = tuple(slice(o, o + n) for o, n in zip(off, size, strict=True))
+        np.testing.assert_array_equal(local[at], want[FC1][region])
+
+
+def rs_leaf(tree, name):
+    for part in name.split("."):
+        tree = tree[part]
+    return tree
+
+
 @pytest.mark.parametrize("dp", [1, 3])
 def test_llama_redivides_to_another_dp_size(tmp_path, dp):
     import_megatron(str(llama("dp_reshardable")), str(tmp_path / "rs"))

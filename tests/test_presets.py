@@ -160,19 +160,34 @@ def test_mixtral_experts_over_ep_and_tp(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------ GPT-2 (Conv1D, fused c_attn)
-def test_gpt2_conv1d_transposed_and_fused_qkv_whole(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+def _thirds(w: np.ndarray, t: int, tp: int, axis: int) -> np.ndarray:
+    """Tensor-parallel rank t's part of a fused [q; k; v] along axis: the t-th slice of each, side by side."""
+    return np.concatenate([_part(x, t, tp, axis) for x in np.split(w, 3, axis=axis)], axis=axis)
+
+
+def test_gpt2_conv1d_transposed_and_fused_qkv_in_thirds(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """GPT-2's c_attn (Conv1D [in, out], columns [q; k; v]): tp rank t holds the t-th slice of q, of k and of v,
+    its local [H, 3H / tp] (three blocks of the stored tensor), as Megatron's rank t holds its heads' q, k, v."""
     cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16)
     torch.manual_seed(3)
     src, whole = _saved(transformers.GPT2LMHeadModel(cfg), tmp_path)
     capfd.readouterr()
     got = _redivided(src, tmp_path / "out", "--tp", "2", "--pp", "2")
-    assert "kept whole over the 2 tensor-parallel ranks: transformer.h.0.attn.c_attn.bias" in capfd.readouterr().err
+    assert "kept whole" not in capfd.readouterr().err
+    out = rs.open(str(tmp_path / "out"))
+    lay = out["transformer.h.1.attn.c_attn.weight"].layout
+    assert lay.multi_piece and len(lay.pieces(_rank(1, p=1, tp=2))) == 3 and lay.is_regular()
+    assert out["transformer.h.1.attn.c_attn.weight"].meta.shard == (32, 16)  # a shard a block: 3 x tp of them
     want: dict[int, dict[str, np.ndarray]] = {r: {} for r in range(4)}
     for name, w in whole.items():
         m = re.search(r"\.h\.(\d+)\.", name)
         stage = int(m.group(1)) if m else (0 if re.search(r"wte|wpe", name) else 1)
         for t in range(2):
-            if name.endswith("mlp.c_fc.weight"):
+            if name.endswith("attn.c_attn.weight"):
+                part = _thirds(w, t, 2, 1)
+            elif name.endswith("attn.c_attn.bias"):
+                part = _thirds(w, t, 2, 0)
+            elif name.endswith("mlp.c_fc.weight"):
                 part = _part(w, t, 2, 1)  # Conv1D [in, out]: column-parallel = dim 1
             elif name.endswith(("mlp.c_fc.bias", "wte.weight")) or re.search(r"c_proj\.weight$", name):
                 part = _part(w, t, 2, 0)
@@ -228,12 +243,10 @@ def test_megatron_core_names_give_the_blocks_megatron_saved(tmp_path: Path, samp
     for name, chunks in written.items():
         layout = out[name].layout
         stacked = name.startswith("decoder.layers.")
-        for rank, off, size in chunks:  # what each rank saved lies in that rank's region
-            region = layout.region(rank)
-            assert all(r.start <= o and o + s <= r.stop for r, o, s in zip(region, off, size, strict=True)), \
-                (name, rank, off, size, region)
-        if name == "decoder.layers.mlp.linear_fc1.weight" and sample == "forms/glu":
-            continue  # two blocks per rank: whole over tp (test_glu_linear_fc1_against_what_megatron_held)
+        for rank, off, size in chunks:  # what each rank saved lies in one of that rank's blocks
+            regions = [glob for glob, _ in layout.pieces(rank)]
+            assert any(all(r.start <= o and o + s <= r.stop for r, o, s in zip(region, off, size, strict=True))
+                       for region in regions), (name, rank, off, size, regions)
         saved = [(o, s) for _, o, s in chunks]
         preset = [(tuple(s.start for s in b.region), b.shape) for b in layout.blocks()]
         for dim in range(len(layout.shape)):
@@ -303,16 +316,26 @@ def test_megatron_core_heads_unknown_then_given(tmp_path: Path, capfd: pytest.Ca
         capfd.readouterr().err
 
 
-def test_glu_linear_fc1_is_told_by_shapes_and_kept_whole_over_tp() -> None:
+def test_glu_linear_fc1_is_told_by_shapes_and_given_as_two_blocks_per_rank() -> None:
     """Megatron-Core's SwiGLU linear_fc1 is [gate_all; up_all]: TP rank r holds gate rows r and up rows r, two
-    blocks (apply_swiglu_sharded_factory); a layout gives a rank one block, so the preset keeps it whole over tp."""
+    blocks (apply_swiglu_sharded_factory), its local [gate_r; up_r]; its optimizer states alike."""
     shapes = {"decoder.layers.mlp.linear_fc1.weight": (2, 2 * 12, 8),
-              "decoder.layers.mlp.linear_fc2.weight": (2, 8, 12)}
+              "decoder.layers.mlp.linear_fc2.weight": (2, 8, 12),
+              "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight": (2, 2 * 12, 8)}
     res = megatron_layouts(shapes, Mesh(tp=2, pp=2))
     fc1 = res.layouts["decoder.layers.mlp.linear_fc1.weight"]
-    assert fc1.region(_rank(1, p=1, tp=2)) == (slice(1, 2), slice(0, 24), slice(0, 8))  # its stage's layer, whole
-    assert res.rules["decoder.layers.mlp.linear_fc1.weight"].kind == "fused"
-    assert any("linear_fc1" in note for note in res.notes)
+    assert fc1.pieces(_rank(1, p=1, tp=2)) == (  # its stage's layer: gate rows 6..12, then up rows 18..24
+        ((slice(1, 2), slice(6, 12), slice(0, 8)), (slice(0, 1), slice(0, 6), slice(0, 8))),
+        ((slice(1, 2), slice(18, 24), slice(0, 8)), (slice(0, 1), slice(6, 12), slice(0, 8))))
+    assert fc1.local_shape(1) == (1, 12, 8) and fc1.is_regular() and fc1.block_shape() == (1, 6, 8)
+    assert res.layouts["optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"] == fc1
+    assert res.rules["decoder.layers.mlp.linear_fc1.weight"].kind == "fused" and not res.notes
+    with pytest.raises(PresetError, match=r"--tp 8 does not divide dim 1 \(24\) of decoder.layers.mlp.linear_fc1"
+                                          r".weight, which Megatron splits into 2 parts, each GLU"):
+        megatron_layouts(shapes, Mesh(tp=8))  # 24 rows divide by 8, but not their halves
+    alone = megatron_layouts({"decoder.layers.mlp.linear_fc1.weight": (2, 24, 8)}, Mesh(tp=2))
+    assert alone.layouts["decoder.layers.mlp.linear_fc1.weight"].region(1) == (slice(0, 2), slice(0, 24), slice(0, 8))
+    assert any("no linear_fc2.weight beside it" in note for note in alone.notes)
     plain = megatron_layouts({**shapes, "decoder.layers.mlp.linear_fc1.weight": (2, 12, 8)}, Mesh(tp=2))
     assert plain.layouts["decoder.layers.mlp.linear_fc1.weight"].region(1) == (slice(0, 2), slice(6, 12),
                                                                                  slice(0, 8))
@@ -398,19 +421,15 @@ def test_megatron_docs_recipe(tmp_path: Path, capfd: pytest.CaptureFixture[str],
 
 def test_glu_linear_fc1_against_what_megatron_held(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """Megatron-Core 0.16.1's SwiGLU at TP=2: the stacked linear_fc1 is [gate_all; up_all], rank r holding gate
-    rows r and up rows r (its local [gate_r; up_r], as it held them); saved with singleton_local_shards, the
-    halves weight_w / weight_v are column-parallel tensors of their own, loaded per rank by the preset."""
+    rows r and up rows r; each rank loads its local [gate_r; up_r] exactly as Megatron held it. Saved with
+    singleton_local_shards, the halves weight_w / weight_v are column-parallel tensors of their own."""
     held = np.load(DATA / "forms" / "reference_glu.npz")
     assert cli("import", "megatron", DATA / "forms" / "glu", tmp_path / "ck") == 0
     capfd.readouterr()
     got = _redivided(str(tmp_path / "ck"), tmp_path / "out", "--tp", "2", "--heads", "2")
-    assert "kept whole over the 2 tensor-parallel ranks: decoder.layers.mlp.linear_fc1.weight" in capfd.readouterr().err
-    ffn = 12
+    assert "kept whole" not in capfd.readouterr().err
     for r, layer in np.ndindex(2, 2):
-        whole = got[r]["decoder.layers.mlp.linear_fc1.weight"][layer]  # whole over tp: every rank has all rows
-        half = ffn // 2  # one rank's rows of each half
-        mine = np.concatenate([whole[r * half:(r + 1) * half], whole[ffn + r * half:ffn + (r + 1) * half]])
-        np.testing.assert_array_equal(mine, held[f"rank{r}/{layer}"])
+        np.testing.assert_array_equal(got[r]["decoder.layers.mlp.linear_fc1.weight"][layer], held[f"rank{r}/{layer}"])
     assert cli("import", "megatron", DATA / "forms" / "glu_singleton", tmp_path / "ck1") == 0
     got = _redivided(str(tmp_path / "ck1"), tmp_path / "out1", "--tp", "2", "--heads", "2")
     for r, layer in np.ndindex(2, 2):
@@ -468,3 +487,36 @@ def test_redivided_then_exported_the_model_gives_the_same_logits(tmp_path: Path,
         got = cls.from_pretrained(tmp_path / "out").eval()(tokens).logits
     assert len(list((tmp_path / "out").glob("*.safetensors"))) > 1  # sharded as asked
     assert torch.equal(got, want)
+
+
+def test_phi3_gate_up_proj_in_halves_and_qkv_proj_whole() -> None:
+    """Phi-3's gate_up_proj ([2F, H], rows [gate; up]) gives tp rank t [gate_t; up_t]; its qkv_proj (q, k, v of
+    unequal sizes under grouped-query attention) stays whole over tp, with a note."""
+    shapes = {"model.layers.0.mlp.gate_up_proj.weight": (16, 8), "model.layers.0.self_attn.qkv_proj.weight": (24, 8)}
+    res = megatron_layouts(shapes, Mesh(tp=2))
+    full = np.arange(16 * 8).reshape(16, 8)
+    lay = res.layouts["model.layers.0.mlp.gate_up_proj.weight"]
+    for t in range(2):
+        local = np.zeros(lay.local_shape(t), dtype=full.dtype)
+        for glob, loc in lay.pieces(t):
+            local[loc] = full[glob]
+        np.testing.assert_array_equal(local, np.concatenate([_part(full[:8], t, 2, 0), _part(full[8:], t, 2, 0)]))
+    assert res.layouts["model.layers.0.self_attn.qkv_proj.weight"].region(1) == (slice(0, 24), slice(0, 8))
+    assert any("kept whole" in n and "qkv_proj" in n for n in res.notes)
+
+
+def test_swiglu_expert_fc1_stacked_gives_each_tp_rank_its_experts_gate_and_up() -> None:
+    """Stacked SwiGLU experts ([layers, experts, 2F, H]) at --tp 2 --ep 2: rank (t, e) holds its expert rank's
+    experts, and of each its gate rows t and up rows t (expert tensor parallelism = tp)."""
+    shapes = {"decoder.layers.mlp.experts.experts.linear_fc1.weight": (2, 4, 24, 8),
+              "decoder.layers.mlp.experts.experts.linear_fc2.weight": (2, 4, 8, 12)}
+    lay = megatron_layouts(shapes, Mesh(tp=2, ep=2)).layouts["decoder.layers.mlp.experts.experts.linear_fc1.weight"]
+    full = np.arange(2 * 4 * 24 * 8).reshape(2, 4, 24, 8)
+    for t, e in np.ndindex(2, 2):
+        rank = _rank(t, e, tp=2, ep=2)
+        local = np.zeros(lay.local_shape(rank), dtype=full.dtype)
+        for glob, loc in lay.pieces(rank):
+            local[loc] = full[glob]
+        mine = full[:, 2 * e:2 * e + 2]
+        want = np.concatenate([_part(mine[:, :, :12], t, 2, 2), _part(mine[:, :, 12:], t, 2, 2)], axis=2)
+        np.testing.assert_array_equal(local, want)

@@ -176,10 +176,10 @@ def megatron_layouts(shapes: Mapping[str, Sequence[int]], mesh: Mesh, counts: Co
     full = {}
     for name in unmatched:
         full[name] = Layout(tuple(shapes[name]), (mesh.world,))
-    fused = sorted(n for n, it in items.items() if it.rule.kind == "fused" and mesh.tp > 1)
+    fused = sorted(n for n, it in items.items() if it.rule.kind == "fused" and it.tp_dim is None and mesh.tp > 1)
     if fused:
-        notes.append(f"kept whole over the {mesh.tp} tensor-parallel ranks: {_few(fused)} (Megatron gives each "
-                     "rank several blocks of a fused tensor, and a layout gives a rank one block)")
+        notes.append(f"kept whole over the {mesh.tp} tensor-parallel ranks: {_few(fused)} (fused tensors whose "
+                     "parts the preset cannot tell apart by shape)")
     if unmatched and mesh.world > 1:
         notes.append(f"{len(unmatched)} tensors match no rule of preset megatron and are whole on every rank: "
                      f"{_few(sorted(unmatched))}")
@@ -242,17 +242,29 @@ def _check_heads(items: dict[str, _Item], shapes: Mapping[str, Sequence[int]], m
 
 
 def _glu(items: dict[str, _Item], shapes: Mapping[str, Sequence[int]], mesh: Mesh, notes: list[str]) -> None:
-    """Megatron-Core ``linear_fc1`` of a GLU (``[gate; up]`` rows: each rank holds two blocks) becomes ``fused``."""
+    """Megatron-Core ``linear_fc1`` of a GLU (``[gate; up]`` rows) becomes ``fused`` in two parts: tensor-parallel
+    rank ``t`` holds ``gate[t]`` and ``up[t]`` (``apply_swiglu_sharded_factory``), two blocks."""
+    tails: dict[str, tuple[int, ...]] | None = None  # the linear_fc2 weights by their name from "decoder."
     for name, it in items.items():
         if it.rule.heads != "glu" or it.tp_dim is None:
             continue
         fc2 = _sibling(name, r"linear_fc1\.(weight|bias)$", "linear_fc2.weight", shapes)
+        if fc2 is None and ".decoder." in name:  # an optimizer state (optimizer.state.exp_avg.decoder...): its
+            if tails is None:                       # parameter's linear_fc2, so that both split alike
+                tails = {n[n.index("decoder."):]: tuple(v) for n, v in shapes.items()
+                         if n.endswith("linear_fc2.weight") and "decoder." in n}
+            tail = name[name.index(".decoder.") + 1:]
+            fc2 = tails.get(re.sub(r"linear_fc1\.(weight|bias)$", "linear_fc2.weight", tail))
         rows = it.shape[it.tp_dim]
         if fc2 is not None and rows == fc2[-1]:
             continue  # plain MLP: column-parallel
+        if fc2 is not None:
+            it.rule = Rule("fused", it.rule.dim, it.rule.stage, family=it.rule.family,
+                           what="GLU linear_fc1 (gate and up halves)", parts=2)
+            continue
         it.rule = Rule("fused", None, it.rule.stage, family=it.rule.family, what="GLU linear_fc1")
         it.tp_dim = None
-        if fc2 is None and mesh.tp > 1:
+        if mesh.tp > 1:
             notes.append(f"{name}: no linear_fc2.weight beside it tells whether it is a GLU; kept whole over tp")
 
 
@@ -313,11 +325,13 @@ def _layout(it: _Item, mesh: Mesh, layers: int, experts: int) -> Layout:
         split[it.layer_axis] = "pp"
     if it.expert_axis is not None:
         split[it.expert_axis] = "ep"
-    if it.tp_dim is not None and it.rule.kind in ("column", "row", "vocab"):
+    parts = it.rule.parts if it.rule.kind == "fused" else 1
+    if it.tp_dim is not None and it.rule.kind in ("column", "row", "vocab", "fused"):
         size = it.shape[it.tp_dim]
-        if it.rule.kind != "vocab" and size % mesh.tp:
+        if it.rule.kind != "vocab" and size % (mesh.tp * parts):
+            per = f" into {parts} parts, each" if parts > 1 else ""
             raise PresetError(f"--tp {mesh.tp} does not divide dim {it.tp_dim} ({size}) of {it.name}, which Megatron "
-                              f"splits {it.rule.what}")
+                              f"splits{per} {it.rule.what}")
         split[it.tp_dim] = "tp"
     free = [a for a in AXES if a not in fixed]
     sizes = tuple(getattr(mesh, a) for a in free)
@@ -325,7 +339,27 @@ def _layout(it: _Item, mesh: Mesh, layers: int, experts: int) -> Layout:
                   for c in itertools.product(*(range(s) for s in sizes)))
     dims = tuple((free.index(split[d]),) if d in split and getattr(mesh, split[d]) > 1 else ()
                  for d in range(len(it.shape)))
-    return Layout(it.shape, sizes, ranks, dims, "balanced" if it.rule.kind == "vocab" else "even")
+    layout = Layout(it.shape, sizes, ranks, dims, "balanced" if it.rule.kind == "vocab" else "even")
+    if parts > 1 and it.tp_dim is not None and mesh.tp > 1:
+        return _fused(layout, it.tp_dim, parts)
+    return layout
+
+
+def _fused(column: Layout, dim: int, parts: int) -> Layout:
+    """`parts` tensors side by side along `dim`, each column-parallel: the rank holding piece ``t`` of `column`
+    (the whole tensor cut in tp) holds piece ``t`` of each part instead, one after the other along `dim`."""
+    size = column.shape[dim]
+    blocks = []
+    for rank in column.ranks:
+        region = column.region(rank)
+        width = region[dim].stop - region[dim].start  # size / tp
+        t, step = region[dim].start // width, width // parts  # its tp index; its rows (columns) of one part
+        for j in range(parts):
+            off = tuple(j * (size // parts) + t * step if d == dim else s.start for d, s in enumerate(region))
+            shape = tuple(step if d == dim else s.stop - s.start for d, s in enumerate(region))
+            local = tuple(j * step if d == dim else 0 for d in range(len(region)))
+            blocks.append((rank, off, shape, column.replica_id(rank), local))
+    return Layout.from_blocks(column.shape, blocks)
 
 
 __all__ = ["AXES", "Counts", "Mesh", "PresetError", "PresetResult", "megatron_layouts"]

@@ -23,9 +23,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-#: Kinds of split: over tp (``column``, ``row``, ``vocab``), none (``whole``), and ``fused``: Megatron gives a
-#: rank several blocks of the tensor (GLU ``linear_fc1``, GPT-2 ``c_attn``), which one layout block cannot
-#: describe, so the tensor stays whole over tp.
+#: Kinds of split: over tp (``column``, ``row``, ``vocab``), none (``whole``), and ``fused``: the tensor is
+#: ``parts`` tensors side by side along ``dim`` (a GLU ``linear_fc1``'s ``[gate; up]``, GPT-2 ``c_attn``'s
+#: ``[q; k; v]``), each column-parallel, so Megatron gives a rank one block of each (:meth:`Layout.pieces`);
+#: a ``fused`` rule without a dim (``qkv_proj``: q, k and v of unequal sizes) keeps the tensor whole over tp.
 KINDS = ("column", "row", "vocab", "whole", "fused")
 
 
@@ -39,7 +40,7 @@ class Rule:
         One of :data:`KINDS`.
     dim : int or None
         The dim of one layer's (one expert's) tensor split over tp; negative
-        counts from the end; None for ``whole`` and ``fused``.
+        counts from the end; None for ``whole`` (and a ``fused`` tensor kept whole).
     stage : str
         ``"layer"`` (the stage of the tensor's layer), ``"first"``, ``"last"``
         (pipeline stage), or ``"all"`` (every stage).
@@ -51,6 +52,9 @@ class Rule:
         ``"megatron-core"`` or ``"huggingface"``.
     what : str
         A few words for messages.
+    parts : int
+        ``fused``: how many tensors lie side by side along `dim`, each split
+        over tp (a rank holds one block of each, concatenated along `dim`).
     """
 
     kind: str
@@ -59,6 +63,7 @@ class Rule:
     heads: str = ""
     family: str = "huggingface"
     what: str = ""
+    parts: int = 1
 
 
 def _r(pattern: str) -> re.Pattern[str]:
@@ -102,8 +107,10 @@ HUGGINGFACE: tuple[tuple[re.Pattern[str], Rule], ...] = (
     (_r(r"(^|\.)mlp\.c_fc\.bias$"), Rule("column", 0, what="column-parallel")),
     (_r(r"(^|\.)(attn|mlp)\.c_proj\.weight$"), Rule("row", 0, what="row-parallel (Conv1D [in, out])")),
     (_r(r"(^|\.)(attn|mlp)\.c_proj\.bias$"), Rule("whole", None)),
-    (_r(r"(^|\.)(attn\.c_attn|qkv_proj|gate_up_proj)\.(weight|bias)$"),
-     Rule("fused", None, what="fused q/k/v or gate/up")),
+    (_r(r"(^|\.)attn\.c_attn\.weight$"), Rule("fused", 1, what="fused q/k/v (Conv1D [in, out])", parts=3)),
+    (_r(r"(^|\.)attn\.c_attn\.bias$"), Rule("fused", 0, what="fused q/k/v", parts=3)),
+    (_r(r"(^|\.)gate_up_proj\.(weight|bias)$"), Rule("fused", 0, what="fused gate/up", parts=2)),
+    (_r(r"(^|\.)qkv_proj\.(weight|bias)$"), Rule("fused", None, what="fused q/k/v of unequal sizes")),
     (_r(r"(^|\.)(embed_tokens|wte)\.weight$"), Rule("vocab", 0, "first", what="vocab-parallel")),
     (_r(r"(^|\.)wpe\.weight$"), Rule("whole", None, "first")),
     (_r(r"(^|\.)lm_head\.weight$"), Rule("vocab", 0, "last", what="vocab-parallel")),

@@ -360,5 +360,8 @@ def writes_any(layout: Layout, rank: int, balance: bool = True) -> bool:
 
 def writes_in(layout: Layout, grid: Grid, rank: int) -> bool:
     """Whether ``rank`` writes any shard of ``grid`` (:func:`shard_writer`)."""
-    regions = [r for _, r in layout.boxes(rank)] if isinstance(layout, FlatLayout) else [layout.region(rank)]
+    if isinstance(layout, FlatLayout):
+        regions = [r for _, r in layout.boxes(rank)]
+    else:
+        regions = [r for r, _ in layout.pieces(rank)]
     return any(shard_writer(layout, grid, idx) == rank for region in regions for idx in grid.shards_in(region))

@@ -65,10 +65,16 @@ def save(state: Mapping[str, Any], url: str, layouts: LayoutSpec | None = None, 
 
 
 def local_part(layout: Layout, rank: int, full: np.ndarray) -> np.ndarray:
-    """``rank``'s local array of a whole array ``full`` (a flat range: its block's C-order flattening, sliced)."""
+    """``rank``'s local array of a whole array ``full`` (a flat range: its block's C-order flattening, sliced; a
+    rank holding several blocks: them, each at its place in the local array)."""
     if isinstance(layout, FlatLayout):
         start, stop = layout.flat_range(rank)
         return np.ascontiguousarray(full[layout.block_of(rank)]).reshape(-1)[start:stop]
+    if layout.multi_piece:  # several blocks: each in its part of the local array
+        out = np.empty(layout.local_shape(rank), dtype=full.dtype)
+        for glob, local in layout.pieces(rank):
+            out[local] = full[glob]
+        return out
     return full[(*layout.region(rank), ...)]
 
 

@@ -76,23 +76,44 @@ class Boxes(tuple):
         return tuple((at, tuple((s.start, s.stop) for s in box)) for at, box in self)
 
 
+class Parts(tuple):
+    """The part of a rank holding several blocks as a read job's region: ``(global region, region of its local
+    array)`` per block (:meth:`reshard.layouts.Layout.pieces`); the job's destination is the rank's local array."""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the local array the blocks tile."""
+        return tuple(max(local[d].stop for _, local in self) for d in range(len(self[0][1])))
+
+    def key(self) -> tuple[Any, ...]:
+        """A hashable form (slices are not hashable before Python 3.12)."""
+        return tuple(tuple((s.start, s.stop) for s in (*glob, *local)) for glob, local in self)
+
+
 def target_region(layout: Layout, rank: int) -> Any:
-    """What a read job fills for ``rank``: its region, or for a flat-range layout its :class:`Boxes`."""
+    """What a read job fills for ``rank``: its region, or for a flat-range layout its :class:`Boxes`, for a
+    rank holding several blocks its :class:`Parts`."""
     if isinstance(layout, FlatLayout):
         return Boxes(layout.boxes(rank))
+    if layout.multi_piece:
+        return Parts(layout.pieces(rank))
     return layout.region(rank)
 
 
 def expand_boxes(jobs: list[tuple[ArrayMeta, Any, np.ndarray]]) -> list[tuple[ArrayMeta, Region, np.ndarray]]:
-    """Read jobs with :class:`Boxes` regions as one job per box, into views of the 1-d destination.
+    """Read jobs with :class:`Boxes` regions as one job per box, into views of the 1-d destination (and jobs
+    with :class:`Parts` as one per block, into its part of the local array).
 
     A box is a contiguous run of the destination (the rank's range in C order), so
     each view is contiguous and the fetcher reads straight into it.
     """
-    if not any(isinstance(region, Boxes) for _, region, _ in jobs):
+    if not any(isinstance(region, (Boxes, Parts)) for _, region, _ in jobs):
         return jobs
     out = []
     for meta, region, dest in jobs:
+        if isinstance(region, Parts):  # a rank holding several blocks: one job per block, into its part of dest
+            out += [(meta, glob, dest[local]) for glob, local in region]
+            continue
         if not isinstance(region, Boxes):
             out.append((meta, region, dest))
             continue

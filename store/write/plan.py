@@ -56,12 +56,14 @@ class RankPart:
     writes : bool
         Whether the rank writes any shard of its block.
     region : tuple of slice or None
-        The block's global region (None for a flat range: its boxes are in ``shards``).
+        The block's global region (None for a flat range or a rank holding several
+        blocks: their shards are in ``shards``).
     shards : tuple
         ``(grid index, slices of the block holding the shard, its encoding)`` per shard
         of the block the rank writes (a flat range: a :class:`BoxCut` of the rank's 1-d
-        array in place of the slices; :func:`take` applies either) (:meth:`~reshard.store.format.meta.ArrayMeta.writer`;
-        the encoding from :func:`~reshard.store.format.encode.shard_encoding`, hashed
+        array in place of the slices, several blocks: a :class:`PieceCut`; :func:`take`
+        applies each) (:meth:`~reshard.store.format.meta.ArrayMeta.writer`; the encoding
+        from :func:`~reshard.store.format.encode.shard_encoding`, hashed
         with the values).
     """
 
@@ -93,6 +95,9 @@ class TensorPlan:
                 shards = tuple((idx, BoxCut(at, tuple(r.stop - r.start for r in box), within), how)
                                for at, box in layout.boxes(rank)
                                for idx, within, how in block_shards(meta, box, rank))
+            elif layout.multi_piece:  # several blocks: each one's shards, cut from its part of the local array
+                shards = tuple((idx, PieceCut(local, within), how) for glob, local in layout.pieces(rank)
+                               for idx, within, how in block_shards(meta, glob, rank))
             else:
                 region = layout.region(rank)
                 shards = block_shards(meta, region, rank)
@@ -112,8 +117,19 @@ class BoxCut:
     within: tuple[Any, ...]
 
 
+@dataclass(frozen=True)
+class PieceCut:
+    """A shard's part of the local array of a rank holding several blocks: the block at ``local``, then
+    ``within``."""
+
+    local: tuple[slice, ...]
+    within: tuple[Any, ...]
+
+
 def take(local: Any, within: Any) -> Any:
-    """``local[within]``, or the part a :class:`BoxCut` names of a flat range's 1-d array."""
+    """``local[within]``, or the part a :class:`BoxCut` (:class:`PieceCut`) names of a rank's local array."""
+    if isinstance(within, PieceCut):
+        return local[within.local][within.within]
     if isinstance(within, BoxCut):
         box = local.reshape(-1)[within.offset : within.offset + math.prod(within.shape)].reshape(within.shape)
         return box[within.within]

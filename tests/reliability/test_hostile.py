@@ -167,6 +167,13 @@ def _mesh(n: int) -> Callable[[dict[str, Any]], None]:
     return change
 
 
+def _pieces_overlap(a: dict[str, Any]) -> None:
+    """Rank 0 holds w's two blocks (rows 0:2 and 2:3), put at local offsets that overlap in its local array."""
+    a["attributes"]["reshard"]["layout"] = {"version": 1, "shape": [3, 4], "mesh": [1], "ranks": [0],
+                                            "dims": [[], []], "explicit": [[0, [0, 0], [2, 4], 0, [0, 0]],
+                                                                           [0, [2, 0], [1, 4], 0, [1, 0]]]}
+
+
 def zstd_bomb(total: int, block: int = 128 << 10) -> bytes:
     """A zstd frame of RLE blocks that decodes to ``total`` zero bytes (no declared size): 4 bytes per 128 KiB."""
     out = bytearray(b"\x28\xb5\x2f\xfd\x00" + bytes([(17 - 10) << 3]))  # no content size; window 128 KiB
@@ -227,6 +234,7 @@ CASES: dict[str, tuple[str, Callable[..., Any]]] = {
     "shape-2**40-squared": ("directory", lambda r, o, c: _array_doc_edit(
         r, "w", _huge_shape([2**40, 2**40], [2**20, 2**20]))),
     "mesh-2**20-ranks": ("directory", lambda r, o, c: _array_doc_edit(r, "w", _mesh(2**20))),
+    "layout-pieces-overlap": ("directory", lambda r, o, c: _array_doc_edit(r, "w", _pieces_overlap)),
     "zstd-bomb-2GiB": ("directory", lambda r, o, c: _bomb(r)),
     "marker-sparse-8GiB": ("directory", lambda r, o, c: _sparse(r / COMMIT_KEY)),
     "marker-fifo": ("directory", lambda r, o, c: _fifo(r / COMMIT_KEY)),

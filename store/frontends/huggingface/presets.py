@@ -23,10 +23,14 @@ def _known(preset: str) -> None:
 
 
 def split_dim(name: str, ndim: int, preset: str = "megatron") -> int | None:
-    """The dim of (unstacked) tensor ``name`` the preset splits over the tp ranks, or None (whole on every rank)."""
+    """The dim of (unstacked) tensor ``name`` the preset splits over the tp ranks, or None (whole on every rank).
+
+    A fused tensor (GPT-2's ``c_attn``: q, k, v side by side) gives the dim each of its parts is split along
+    (a rank then holds one block of each part: :meth:`reshard.layouts.Layout.pieces`).
+    """
     _known(preset)
     rule = match(name)
-    if rule is None or rule.dim is None or rule.kind not in ("column", "row", "vocab"):
+    if rule is None or rule.dim is None or rule.kind not in ("column", "row", "vocab", "fused"):
         return None
     dim = rule.dim if rule.dim >= 0 else ndim + rule.dim
     return dim if 0 <= dim < ndim else None

@@ -37,7 +37,7 @@ from ...format.tree import LayoutSpec, unflatten
 from ...io.progress import progress_bar
 from ...io.stats import IOStats
 from ...io.storage import Storage
-from ..fetch import Boxes, Fetcher, target_region
+from ..fetch import Boxes, Fetcher, Parts, target_region
 from .schedule import (
     DEFAULT_FUSE_BYTES,
     fuse,
@@ -172,6 +172,8 @@ class ReadOp:
     def shape(self) -> tuple[int, ...]:
         if isinstance(self.region, Boxes):  # a flat range: one 1-d array
             return (self.region.size,)
+        if isinstance(self.region, Parts):  # several blocks: the local array they tile
+            return self.region.shape
         return tuple(r.stop - r.start for r in self.region)
 
     @property
@@ -377,8 +379,8 @@ def _plan_loads(ckpt: Checkpoint, layouts: LayoutSpec, ranks: list[int], names: 
             if r not in members:
                 continue
             region = target_region(layout, r)
-            key = (region.key() if isinstance(region, Boxes) else tuple((s.start, s.stop) for s in region)) if reuse \
-                else r
+            key = (region.key() if isinstance(region, (Boxes, Parts)) else tuple((s.start, s.stop) for s in region)) \
+                if reuse else r
             by_region.setdefault(key, (region, []))[1].append(r)
         for region, owners in by_region.values():
             op = ReadOp(meta, region)
