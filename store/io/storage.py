@@ -22,7 +22,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from reshard.layouts.errors import CheckpointExistsError, ReshardError, StorageError
 
-from . import direct, localfs, retry
+from . import direct, localfs, multipart, retry
 from .folders import FolderSync
 from .stats import IOStats
 
@@ -309,7 +309,11 @@ class Storage:
 
     # ------------------------------------------------------------ writing
     def write(self, key: str, data: bytes | Sequence[Any]) -> None:
-        """Write (or replace) one object from bytes or a list of buffers."""
+        """Write (or replace) one object from bytes or a list of buffers.
+
+        On S3 an object of at least :data:`.multipart.MULTIPART_BYTES` is a multipart upload whose parts go
+        in parallel straight from the buffers (:mod:`.multipart`); a smaller one is one PUT.
+        """
         parts = [data] if isinstance(data, bytes | bytearray | memoryview) else list(data)
         nbytes = sum(memoryview(p).nbytes for p in parts)
         if self.local:
@@ -317,6 +321,9 @@ class Storage:
                 if not (self.durable and direct.write(fd, parts)):  # durable: around the page cache
                     for i in range(0, len(parts), localfs.IOV_MAX):
                         localfs.writev_all(fd, parts[i : i + localfs.IOV_MAX])
+        elif nbytes >= multipart.MULTIPART_BYTES and multipart.supported(self.fs):
+            # parts in parallel, read from the buffers themselves (no joined copy); aborted on failure
+            self._call(key, lambda: multipart.upload(self.fs, self.path(key), parts))
         else:
             blob = parts[0] if len(parts) == 1 else b"".join(parts)
             self._call(key, lambda: self.fs.pipe_file(self.path(key), bytes(blob)))

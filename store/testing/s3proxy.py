@@ -292,7 +292,7 @@ class S3Proxy(LocalService):
         self._lock = threading.Lock()
         self._rng = random.Random(seed)
         self._seed = seed
-        self._denied: list[tuple[re.Pattern[str], frozenset[str] | None]] = []
+        self._denied: list[tuple[re.Pattern[str], frozenset[str] | None, re.Pattern[str] | None]] = []
         self._server: _ProxyHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self.log: list[ProxyRecord] = []
@@ -342,7 +342,7 @@ class S3Proxy(LocalService):
             self._seed = value
             self._rng.seed(value)
 
-    def deny(self, pattern: str | re.Pattern[str], methods: str | None = None) -> None:
+    def deny(self, pattern: str | re.Pattern[str], methods: str | None = None, query: str | None = None) -> None:
         """Answer ``403 AccessDenied`` to every request whose ``bucket/key`` matches.
 
         Parameters
@@ -352,11 +352,15 @@ class S3Proxy(LocalService):
             regex (``search`` semantics).
         methods : str, optional
             Space- or comma-separated HTTP methods to restrict the denial to, e.g. ``"PUT"``.
+        query : str, optional
+            A glob the raw query string must match too, e.g. ``"*partNumber=2*"``: one part of a
+            multipart upload.
         """
         regex = pattern if isinstance(pattern, re.Pattern) else re.compile(fnmatch.translate(pattern))
         meths = frozenset(methods.replace(",", " ").upper().split()) if methods else None
+        asked = re.compile(fnmatch.translate(query)) if query is not None else None
         with self._lock:
-            self._denied.append((regex, meths))
+            self._denied.append((regex, meths, asked))
 
     def clear_faults(self) -> None:
         """Turn all faults off: rates to 0, no denials, no caps, fault count to 0."""
@@ -369,8 +373,9 @@ class S3Proxy(LocalService):
 
     def _choose_fault(self, rec: ProxyRecord) -> str | None:
         with self._lock:
-            for regex, meths in self._denied:
-                if (meths is None or rec.method in meths) and regex.search(rec.path):
+            for regex, meths, asked in self._denied:
+                if (meths is None or rec.method in meths) and regex.search(rec.path) \
+                        and (asked is None or asked.match(rec.query)):
                     return "deny"
             key = (rec.method, rec.path, rec.query, rec.range)
             streak = self._streaks.pop(key, 0)
