@@ -20,12 +20,13 @@ import numpy as np
 import pytest
 import reshard.store as rs
 from reshard.layouts import Layout
-from reshard.store.format.meta import COMMIT_KEY, HEAD_KEY
+from reshard.store.format.encode import crc32c
+from reshard.store.format.meta import COMMIT_KEY, HEAD_KEY, MISSING
 from reshard.store.testing import ShapedCloud, chain
 from reshard.store.testing import shaped as shaped_mod
 
 RTT = 0.1
-SHAPE = (56, 8192)  # a rank's data object is over the 256 KiB read with its manifest
+SHAPE = (56, 16384)  # over the 256 KiB a packed manifest's read takes, shards over the 256 KiB read whole
 NAMES = [f"layer{i}.w" for i in range(4)]
 _REASON = shaped_mod.unavailable()
 _ids = itertools.count()
@@ -175,3 +176,34 @@ def test_the_copy_is_written_with_each_commit(tmp_path) -> None:
         marker = rs.open(url).marker
         assert marker is not None
         assert hashlib.sha256(root.read(HEAD_KEY)).hexdigest() == json.loads(marker)["metadata_sha256"]
+
+
+def test_a_directory_shard_laid_out_otherwise_is_read_by_its_real_index() -> None:
+    """Remote, a big uncompressed shard's chunks are read where reshard puts them, with its index in the same
+    round trip; a shard laid out otherwise (as another writer may) is read again by its real index."""
+    url, plain = _memory_url(), _memory_url()
+    _save(url, "directory")
+    _save(plain, "directory")
+    ckpt = rs.open(url)
+    meta = ckpt.arrays["layer1.w"]
+    shard = (3, 0)
+    key = meta.shard_key(shard)
+    raw = ckpt.storage.read(key)
+    n = meta.index_nbytes(shard)
+    index = np.frombuffer(raw[-n:-4], dtype="<u8").reshape(-1, 2)
+    assert len(index) > 1 and (index[:, 0] != MISSING).all()
+    body, moved = bytearray(b"\0" * 8), index.copy()
+    for i in reversed(range(len(index))):  # chunks in reverse order, after 8 bytes of padding
+        moved[i, 0] = len(body)
+        body += raw[int(index[i, 0]) : int(index[i, 0] + index[i, 1])]
+    packed_index = moved.astype("<u8").tobytes()
+    ckpt.storage.write(key, bytes(body) + packed_index + crc32c(packed_index).to_bytes(4, "little"))
+    got, stats = {}, {}
+    for which, where in (("moved", url), ("plain", plain)):
+        opened = rs.open(where)
+        got[which] = opened.load(_target(), 3)
+        stats[which] = opened.last_stats.requests
+    for n_ in NAMES:
+        want = _values(n_)[_target()[n_].region(3)]
+        np.testing.assert_array_equal(got["moved"][n_.split(".")[0]]["w"], want)
+    assert stats["moved"] > stats["plain"]  # the moved shard's chunks were read twice: by the plain index, then
