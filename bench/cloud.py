@@ -12,6 +12,10 @@ Each row's floor is ``bytes needed / goodput + RTTs``: the goodput measured on t
 plain download (``cloud.get``), the RTTs the ones no client can avoid (a new connection's handshake,
 open's marker read, then the data: 3 round trips). Results go to stdout as a markdown table
 (``--out FILE`` writes it too) with the load average while measuring.
+
+The ``RTTs`` column counts round trips one after another in the last measured call, as the link
+saw them (:mod:`reshard.store.testing.chain`, from the relay's request log): ``total / before
+data``, handshakes of new connections included; the last level of a load is its data.
 """
 
 from __future__ import annotations
@@ -81,15 +85,39 @@ def _goodput(cloud: Any, nbytes: int) -> float:
     return best
 
 
-def _time(fn: Any, reps: int, warmup: bool = True) -> tuple[float, Any]:
-    """Median wall time of ``reps`` calls after one warm-up (fsspec's HTTP session, imports, connections)."""
+def _time(fn: Any, reps: int, warmup: bool = True) -> tuple[float, Any, tuple[float, float]]:
+    """Median wall time of ``reps`` calls after one warm-up (fsspec's HTTP session, imports, connections),
+    the last call's result and its span on ``time.monotonic()``."""
     out = fn() if warmup else None
     times = []
+    span = (0.0, 0.0)
     for _ in range(reps):
-        t = time.perf_counter()
+        t, start = time.perf_counter(), time.monotonic()
         out = fn()
         times.append(time.perf_counter() - t)
-    return statistics.median(times), out
+        span = (start, time.monotonic())
+    return statistics.median(times), out, span
+
+
+def round_trips(cloud: Any, span: tuple[float, float], data: Any) -> tuple[int, int]:
+    """Round trips one after another in ``span`` (handshakes included), and how many came before the
+    first level holding a data request (``data(relayed)``), from the relay's log."""
+    from reshard.store.testing import chain
+
+    time.sleep(0.05)  # the relay's last lines
+    reqs = cloud.requests(*span)
+    depths = chain.depths(reqs, cloud.rtt)
+    if not depths:
+        return 0, 0
+    first = min((d for r, d in zip(reqs, depths, strict=True) if data(r)), default=max(depths) + 1)
+    return max(depths), first - 1
+
+
+def is_data(r: Any) -> bool:
+    """A request for chunk bytes: a data object's range (packed; not a manifest's suffix) or a shard (directory)."""
+    if "/packed/" in r.path and r.path.endswith(".bin"):
+        return not r.range.startswith("bytes=-")
+    return "/c/" in r.path and not r.range.startswith("bytes=-")
 
 
 def measure(rate: float, rtt_ms: float, cfg: dict[str, Any], reps: int, s3: bool,
@@ -141,7 +169,7 @@ def measure(rate: float, rtt_ms: float, cfg: dict[str, Any], reps: int, s3: bool
                           ("TensorStore", "read_all", ts_read_all, total)]
             for system, what, fn, need in cases:
                 rows.append(_measure(fn, reps, True, need, bw, rtt_ms, system=system, scheme=scheme, form=form,
-                                     what=what))
+                                     what=what, cloud=cloud))
         if dcp_error is None:
             url = f"{cloud.http_url}/dcp"
             rows.append(_measure(lambda: _dcp_read_all(url, cfg), 1, False, total, bw, rtt_ms, system="DCP",
@@ -151,25 +179,28 @@ def measure(rate: float, rtt_ms: float, cfg: dict[str, Any], reps: int, s3: bool
     return rows
 
 
-def _measure(fn: Any, reps: int, warmup: bool, need: int, bw: float, rtt_ms: float, **row: Any) -> dict[str, Any]:
+def _measure(fn: Any, reps: int, warmup: bool, need: int, bw: float, rtt_ms: float, cloud: Any = None,
+             **row: Any) -> dict[str, Any]:
     load1 = os.getloadavg()[0]
-    t, stats = _time(fn, reps, warmup)
+    t, stats, span = _time(fn, reps, warmup)
+    trips = round_trips(cloud, span, is_data) if cloud is not None else None
     floor = need / bw + 3 * rtt_ms / 1000
-    out = {**row, "rtt_ms": rtt_ms, "time": t, "floor": floor, "ratio": t / floor,
+    out = {**row, "rtt_ms": rtt_ms, "time": t, "floor": floor, "ratio": t / floor, "trips": trips,
            "requests": (stats or {}).get("requests", ""), "bytes": (stats or {}).get("bytes_fetched"), "need": need,
            "goodput_mbit": bw * 8 / 1e6, "load": (load1 + os.getloadavg()[0]) / 2}
     print(_row(out), flush=True)
     return out
 
 
-HEADER = ("| RTT | system | scheme | form | what | time (s) | floor (s) | x floor | requests | fetched / needed "
-          "| load avg |\n|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| RTT | system | scheme | form | what | time (s) | floor (s) | x floor | RTTs (all / before data) "
+          "| requests | fetched / needed | load avg |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def _row(r: dict[str, Any]) -> str:
     ratio = f"{r['bytes'] / r['need']:.2f}" if r.get("bytes") else ""
+    trips = f"{r['trips'][0]} / {r['trips'][1]}" if r.get("trips") else ""
     return (f"| {r['rtt_ms']:g} ms | {r['system']} | {r['scheme']} | {r['form']} | {r['what']} | {r['time']:.3f} | "
-            f"{r['floor']:.3f} | {r['ratio']:.2f} | {r['requests']} | {ratio} | {r['load']:.1f} |")
+            f"{r['floor']:.3f} | {r['ratio']:.2f} | {trips} | {r['requests']} | {ratio} | {r['load']:.1f} |")
 
 
 def main(argv: list[str] | None = None) -> None:

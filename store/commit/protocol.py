@@ -37,6 +37,7 @@ from ..format.manifests import merge_manifests, merge_packed, read_manifests
 from ..format.meta import (
     COMMIT_KEY,
     FORMAT_VERSION,
+    HEAD_KEY,
     LOCK_KEY,
     ArrayMeta,
     group_json,
@@ -141,13 +142,18 @@ def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None =
                     raise UncommittedCheckpointError(f"{gen.url}: {e.filename or e} went away during the commit "
                                                      "(deleted?): the save cannot commit") from None
         if merged is not None:
-            marker = _commit_merged(root, gen, generation, sid, merged, parquet)
+            marker, raw = _commit_merged(root, gen, generation, sid, merged, parquet)
         else:
-            marker = _commit_manifests(root, gen, generation, sid, ranks, form, manifests, known)
+            marker, raw = _commit_manifests(root, gen, generation, sid, ranks, form, manifests, known)
+        # the root's copy of the metadata (HEAD_KEY), which readers take with the marker when its digest is the
+        # marker's: written holding the lock, beside the end of the gc check (gc marks first, then looks for a lock)
         if collected is None:
             check_not_collected(root, generation)
+            root.write(HEAD_KEY, raw)
         else:
+            head = pool.pool(False).submit(root.write, HEAD_KEY, raw)
             collected.result()
+            head.result()
         if before_marker is not None:
             before_marker()
         root.write_atomic(COMMIT_KEY, marker.to_json())
@@ -164,8 +170,9 @@ def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None =
 
 
 def _commit_merged(root: Storage, gen: Storage, generation: str, sid: str, merged: Merged,
-                   parquet: bool | None) -> Marker:
-    """Write the metadata and references of a merged third-form save; the marker to write."""
+                   parquet: bool | None) -> tuple[Marker, bytes]:
+    """Write the metadata and references of a merged third-form save; the marker to write, and the root
+    document's bytes."""
     check_reused(root, generation, merged.objects)
     docs, raw = metadata_documents(merged.metas, merged.leaves)
     metas = list(merged.metas.values())
@@ -183,7 +190,7 @@ def _commit_merged(root: Storage, gen: Storage, generation: str, sid: str, merge
                   tensors=len(merged.metas), ranks=merged.ranks,
                   metadata_sha256=metadata_digest(raw),
                   form="packed", references_sha256=refs_digest, locations="ranks", **summary_seal(raw),
-                  parquet_sha256=parquet_digest)
+                  parquet_sha256=parquet_digest), raw
 
 
 def side_by_side(gen: Storage, jobs: list[Callable[[], Any]]) -> list[Any]:
@@ -211,8 +218,9 @@ def write_parquet(gen: Storage, raw: bytes, metas: list[ArrayMeta], merged: Merg
 
 def _commit_manifests(root: Storage, gen: Storage, generation: str, sid: str, ranks: list[int] | None,
                       form: str | None, manifests: dict[int, dict[str, Any]] | None,
-                      known: Mapping[str, tuple[dict[str, Any], ArrayMeta]] | None) -> Marker:
-    """Write the metadata (and references) of a save from its ranks' whole manifests; the marker to write."""
+                      known: Mapping[str, tuple[dict[str, Any], ArrayMeta]] | None) -> tuple[Marker, bytes]:
+    """Write the metadata (and references) of a save from its ranks' whole manifests; the marker to write,
+    and the root document's bytes."""
     if manifests is None:
         try:
             manifests = read_manifests(gen, sid, ranks, form)
@@ -239,7 +247,7 @@ def _commit_manifests(root: Storage, gen: Storage, generation: str, sid: str, ra
     return Marker(format_version=FORMAT_VERSION, generation=generation, save_id=sid, time=time.time(),
                   tensors=len(metas), ranks=sorted(manifests), metadata_sha256=metadata_digest(raw),
                   form="directory" if located is None else "packed", references_sha256=refs_digest,
-                  locations=locations, **summary_seal(raw))
+                  locations=locations, **summary_seal(raw)), raw
 
 
 def write_metadata(gen: Storage, metas: dict[str, ArrayMeta], leaves: dict[str, Any]) -> bytes:

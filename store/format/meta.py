@@ -32,6 +32,10 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 MIN_CHUNK_BYTES = 64 << 10
 META_DIR = ".reshard"
 COMMIT_KEY = f"{META_DIR}/commit.json"
+#: A copy of the committed generation's root document at the checkpoint's root, written with each commit
+#: before its marker: a reader asks for it with the marker (one round trip, not two) and uses it when its
+#: sha256 is the marker's ``metadata_sha256`` (else it reads the generation's own; docs/format.md).
+HEAD_KEY = f"{META_DIR}/head.json"
 LOCK_KEY = f"{META_DIR}/commit.lock"
 MISSING = np.uint64(2**64 - 1)
 

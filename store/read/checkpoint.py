@@ -10,6 +10,7 @@ touching only the inner chunks that intersect what is asked for.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -205,18 +206,34 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
         FormatError
             An object of the save is missing (a snapshot whose save was deleted, or an incomplete copy).
         """
+        check = self._check_alongside()
         try:
             stats = self.fetcher.read_regions(jobs)
         except (FileNotFoundError, FormatError) as e:
+            if check is not None:
+                check.join()
             self.check_current()  # a missing object of a replaced save says so
             if isinstance(e, FileNotFoundError):  # a snapshot (check_current=False) whose save is gone, or a copy
                 raise FormatError(f"{self.url}: {e.filename or e} is missing: the save this view reads was "
                                   "deleted (gc or retention) or copied incompletely") from None
             raise
-        self.check_current()  # after the read: what it returns was the checkpoint when it returned
+        if check is None:
+            self.check_current()  # after the read: what it returns was the checkpoint when it returned
+        else:  # the marker read while the data was: what it returns was the checkpoint during the read
+            check.join()
+            check.result()
         progress.advance(sum(dest.nbytes for _, _, dest in jobs),
                          tensors=sum(dest.shape == meta.shape for meta, _, dest in jobs))
         return stats
+
+    def _check_alongside(self) -> _Check | None:
+        """Remote: :meth:`check_current` started now, in a thread of its own, to run while the data is read
+        (no round trip after the data's); None locally or when there is nothing to check."""
+        if self.marker is None or not self.check_replaced or self.root.local:
+            return None
+        check = _Check(self.check_current)
+        check.start()
+        return check
 
     def check_current(self) -> None:
         """Raise :class:`CheckpointReplacedError` if the URL's marker is no longer the one opened.
@@ -350,6 +367,25 @@ class Checkpoint(Mapping[str, "LazyTensor"]):
         from .export import export
 
         return export(self, path, format=format, **options)
+
+
+class _Check(threading.Thread):
+    """A call run in a thread of its own; :meth:`result` raises what it raised."""
+
+    def __init__(self, fn: Any) -> None:
+        super().__init__(daemon=True, name="reshard-check")
+        self.fn = fn
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.fn()
+        except BaseException as e:  # handed to the caller by result()
+            self.error = e
+
+    def result(self) -> None:
+        if self.error is not None:
+            raise self.error
 
 
 #: Alignment of each array inside a buffer from :func:`allocate` (a cache line).

@@ -240,32 +240,82 @@ class Fetcher:
         if self.locator is not None:
             return self._read_packed(jobs, delivered)
         keys = [[(shard, meta.shard_key(shard)) for shard in meta.shards_in(region)] for meta, region, _ in jobs]
-        blobs, index_bytes = self._fetch_indexes(jobs, keys)
-        temp = LOCAL_TEMP_BYTES if self.storage.local else None
-        work: list[tuple[Request, ArrayMeta, np.ndarray]] = []
-        for (meta, region, dest), shards in zip(jobs, keys, strict=True):
-            reads = []
-            for shard, key in shards:
-                reads += plan_reads(meta, region, self.indexes.get(key), shard, key, dest)
-            if not meta.shape:
-                work.append((Request(reads[0].key, 0, -1, tuple(reads)), meta, dest))
-                continue
-            work += [(req, meta, dest) for req in coalesce(reads, self.gap, max_temp=temp)]
-        fetched = pool.run_batched([functools.partial(execute, self.storage, *w, blobs.get(w[0].key)) for w in work],
-                                   [w[0].nbytes for w in work], self.storage.local)
+        assumed = self._assumed_indexes(jobs, keys)
+        (fetches, index_sizes), blobs = self._index_jobs(jobs, keys)
+        # jobs whose chunks can be located now (cached or assumed indexes) are read with the indexes fetched;
+        # the others once those are in. Without assumed indexes: the indexes first, then every job's chunks.
+        now = [j for j, shards in enumerate(keys)
+               if assumed and all(k in self.indexes or k in assumed for _, k in shards)]
+        taken = set(now)
+        later = [j for j in range(len(jobs)) if j not in taken]
+        work = self._plan_directory([jobs[j] for j in now], [keys[j] for j in now], assumed)
+        tasks = [*fetches, *(functools.partial(_guarded, execute, self.storage, *w) for w in work)]
+        done = pool.run_batched(tasks, [*index_sizes, *(w[0].nbytes for w in work)], self.storage.local)
+        index_bytes, first = done[: len(fetches)], done[len(fetches):]
+        wrong = {k for k, index in assumed.items()
+                 if k not in self.indexes or not np.array_equal(self.indexes[k], index)}
+        for w, got in zip(work, first, strict=True):
+            if isinstance(got, BaseException) and w[0].key not in wrong:
+                raise got
+        fetched = [n for n in first if not isinstance(n, BaseException)]
+        # what waited for its indexes; and the shards an assumed index got wrong (laid out otherwise than
+        # reshard writes them), read again by their real index
+        work2 = self._plan_directory([jobs[j] for j in later], [keys[j] for j in later], {})
+        if wrong:
+            fix = [j for j in now if any(k in wrong for _, k in keys[j])]
+            work2 += [w for w in self._plan_directory([jobs[j] for j in fix], [keys[j] for j in fix], {})
+                      if w[0].key in wrong]
+        fetched += pool.run_batched([functools.partial(execute, self.storage, *w, blobs.get(w[0].key))
+                                     for w in work2], [w[0].nbytes for w in work2], self.storage.local)
+        work += work2
         self.storage.count(bytes_delivered=delivered, tasks=len(work))
         requests = len(index_bytes) + sum(1 for w in work if w[0].key not in blobs)
         return IOStats(requests=requests, bytes_fetched=sum(index_bytes) + sum(fetched),
                        bytes_delivered=delivered, tasks=len(work))
 
-    def _fetch_indexes(self, jobs: list[tuple[ArrayMeta, Region, np.ndarray]],
-                       keys: list[list[tuple[tuple[int, ...], str]]]) -> tuple[dict[str, memoryview], list[int]]:
-        """Fetch the shard indexes the jobs need (cached for the checkpoint's life).
+    def _assumed_indexes(self, jobs: list[tuple[ArrayMeta, Region, np.ndarray]],
+                         keys: list[list[tuple[tuple[int, ...], str]]]) -> dict[str, np.ndarray]:
+        """Remote directory form: the index each uncached big uncompressed shard has when reshard wrote it
+        (:func:`reshard.store.format.encode.plain_index`), to read its chunks in the same round trip as its
+        real index, which then checks it (a shard laid out otherwise is read again). None locally, where a
+        round trip costs nothing, nor for ``verify`` (``read_indexes``)."""
+        if self.storage.local or self.read_indexes:
+            return {}
+        out = {}
+        for (meta, _, _), shards in zip(jobs, keys, strict=True):
+            if meta.shape and meta.compressor is None:
+                for shard, key in shards:
+                    if key not in self.indexes and meta.shard_nbytes(shard) > self.small_shard_bytes:
+                        out[key] = plain_index(meta, shard)
+        return out
+
+    def _plan_directory(self, jobs: list[tuple[ArrayMeta, Region, np.ndarray]],
+                        keys: list[list[tuple[tuple[int, ...], str]]], assumed: dict[str, np.ndarray]
+                        ) -> list[tuple[Request, ArrayMeta, np.ndarray]]:
+        """The directory form's requests: each shard's chunk reads by its index (cached, or ``assumed``)."""
+        temp = LOCAL_TEMP_BYTES if self.storage.local else None
+        work: list[tuple[Request, ArrayMeta, np.ndarray]] = []
+        for (meta, region, dest), shards in zip(jobs, keys, strict=True):
+            reads = []
+            for shard, key in shards:
+                index = assumed[key] if key in assumed else self.indexes.get(key)
+                reads += plan_reads(meta, region, index, shard, key, dest)
+            if not meta.shape:
+                work.append((Request(reads[0].key, 0, -1, tuple(reads)), meta, dest))
+                continue
+            work += [(req, meta, dest) for req in coalesce(reads, self.gap, max_temp=temp)]
+        return work
+
+    def _index_jobs(self, jobs: list[tuple[ArrayMeta, Region, np.ndarray]],
+                    keys: list[list[tuple[tuple[int, ...], str]]]
+                    ) -> tuple[tuple[list[Any], list[int]], dict[str, memoryview]]:
+        """The fetches of the shard indexes the jobs need (cached for the checkpoint's life), to run.
 
         ``keys`` holds each job's (shard, key) pairs. A shard of at most
         ``small_shard_bytes`` is fetched whole, index and data in one request;
-        its bytes are returned (keyed by shard key) for this call only, with
-        the bytes of each request made.
+        its bytes land in the returned dict (keyed by shard key) for this call
+        only. Returns the jobs (each returns the bytes of its request) with
+        their sizes, and that dict (filled as they run).
         """
         wanted: dict[str, tuple[ArrayMeta, tuple[int, ...]]] = {}
         for (meta, _, _), shards in zip(jobs, keys, strict=True):
@@ -294,11 +344,9 @@ class Fetcher:
             self.indexes[key] = decode_index(data, meta, key, shard, f"{self.storage.url}/{key}")
             return size
 
-        sizes = pool.run_batched([functools.partial(fetch, k, *w) for k, w in wanted.items()],
-                                 [shard_bytes[k] if small[k] else m.index_nbytes(i) for k, (m, i) in wanted.items()],
-                                 self.storage.local)
-        return blobs, sizes
-
+        fetches = [functools.partial(fetch, k, *w) for k, w in wanted.items()]
+        sizes = [shard_bytes[k] if small[k] else m.index_nbytes(i) for k, (m, i) in wanted.items()]
+        return (fetches, sizes), blobs
 
     # ------------------------------------------------------------ packed
     def _read_packed(self, jobs: list[tuple[ArrayMeta, Region, np.ndarray]], delivered: int) -> IOStats:
@@ -394,6 +442,14 @@ class Fetcher:
         return IOStats(requests=located_by.requests + len(sizes) + far_requests,
                        bytes_fetched=located_by.bytes_fetched + sum(sizes) + sum(fetched),
                        bytes_delivered=delivered, tasks=len(tasks))
+
+
+def _guarded(fn: Any, *args: Any) -> Any:
+    """``fn(*args)``, or the error it raised (a read by an assumed index: the real one decides)."""
+    try:
+        return fn(*args)
+    except (FormatError, StorageError, ValueError, OSError) as e:
+        return e
 
 
 def _missing(root: Storage, e: FileNotFoundError, jobs: list[tuple[ArrayMeta, Region, np.ndarray]],

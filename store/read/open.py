@@ -2,14 +2,19 @@
 
 :func:`open` reads the commit marker and the generation's root metadata document (two
 small reads, no data: the directory form's ``zarr.json``, the packed form's
-``.reshard/metadata.json``) and picks how shards are located (the ranks' manifests, or
+``.reshard/metadata.json``; remote, both in one round trip through the root's copy
+``.reshard/head.json``, :func:`read_marker_and_head`) and picks how shards are located (the ranks' manifests, or
 the references of a block writer's save). An uncommitted save opens from its
 ranks' manifests on request (``allow_uncommitted=True``), for forensics.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +34,9 @@ from ..commit.marker import (
 from ..format import refs as references
 from ..format.consolidated import RootMetadata
 from ..format.manifests import merge_manifests, present_ranks, read_manifest, read_manifests
-from ..format.meta import META_DIR, ArrayMeta
+from ..format.meta import COMMIT_KEY, HEAD_KEY, META_DIR, ArrayMeta
+from ..format.schema import MAX_DOCUMENT_BYTES
+from ..io import pool
 from ..io.gcpause import gc_paused
 from ..io.storage import Storage
 from .checkpoint import Checkpoint
@@ -80,7 +87,7 @@ def open(url: str, *, allow_uncommitted: bool = False, storage_options: dict[str
         raise ValueError(f"engine must be 'fast', 'tensorstore' or 'zarr', got {engine!r}")
     root = Storage(url, storage_options, retries=retries)
     try:
-        found = read_marker(root)
+        found, head = read_marker_and_head(root)
     except StorageError as e:
         if isinstance(e.__cause__, NotADirectoryError):
             raise CheckpointNotFoundError(_file_not_checkpoint(url)) from None
@@ -95,7 +102,10 @@ def open(url: str, *, allow_uncommitted: bool = False, storage_options: dict[str
         arrays, leaves = parse_metadata(f"{storage.url}/zarr.json", refs.root, marker)
         locator = ByReferences(storage, marker, refs)
     else:
-        arrays, leaves = read_metadata(storage, marker)
+        if head is not None and metadata_digest(head) == marker.metadata_sha256:  # the marker's own metadata
+            arrays, leaves = parse_metadata(f"{root.url}/{HEAD_KEY}", head, marker)
+        else:  # a save committed before the copy existed, or a commit that raced the two reads
+            arrays, leaves = read_metadata(storage, marker)
         if marker.locations == "ranks":
             locator = ByRanks(storage, marker.save_id, marker.generation)
         elif marker.form == "packed":
@@ -105,6 +115,53 @@ def open(url: str, *, allow_uncommitted: bool = False, storage_options: dict[str
     ckpt.check_replaced = check_current
     ckpt.save_id = marker.save_id
     return ckpt
+
+
+def read_marker_and_head(root: Storage) -> tuple[tuple[Marker, bytes] | None, bytes | None]:
+    """The marker (as :func:`read_marker`) and the root's copy of the metadata (:data:`HEAD_KEY`), or None.
+
+    Remote, both requests go out at once: one round trip, not two (the copy's URL needs no marker;
+    local files have no round trips to save, and read the generation's document). The
+    copy is only a candidate: :func:`open` uses it when its sha256 is the marker's ``metadata_sha256``,
+    which also holds when a commit landed between the two reads (then the generation's own document is
+    read, as for saves committed before the copy existed). A copy that cannot be read is no copy.
+    """
+    def head() -> bytes | None:
+        try:
+            return root.read(HEAD_KEY, limit=MAX_DOCUMENT_BYTES)
+        except (OSError, StorageError, FormatError):
+            return None
+
+    if root.local:  # no round trip to save: the generation's own document, as a plain zarr reader sees it
+        return read_marker(root), None
+    jobs: list[Callable[[], Any]] = [functools.partial(read_marker, root), head, *_warm_ups(root)]
+    found, copy, *_ = pool.run_all(jobs, local=False)
+    return found, copy
+
+
+#: Connections an HTTP(S) filesystem opens with its first ``open`` (1-byte reads of the marker, beside the
+#: marker's own read, not counted in ``stats``): the requests after it then find them open, not paying a
+#: handshake each (a round trip; more with TLS) in the middle of the load.
+WARM_CONNECTIONS = 8
+_warmed: set[int] = set()
+_warmed_lock = threading.Lock()
+
+
+def _warm_ups(root: Storage) -> list[Callable[[], None]]:
+    """The warm-up reads for ``root``'s filesystem: :data:`WARM_CONNECTIONS` the first time, none after."""
+    if not type(root.fs).__name__.startswith("HTTP"):
+        return []
+    with _warmed_lock:
+        if id(root.fs) in _warmed:
+            return []
+        _warmed.add(id(root.fs))
+    path = root.path(COMMIT_KEY)
+
+    def warm() -> None:
+        with contextlib.suppress(Exception):  # a warm-up only: whatever it meets is the marker read's to report
+            root.fs.cat_file(path, start=0, end=1)
+
+    return [warm] * WARM_CONNECTIONS
 
 
 def _file_not_checkpoint(url: str) -> str:

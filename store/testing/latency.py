@@ -14,6 +14,11 @@ itself sees no delay, so without the cap one connection could fill the link).
 No HTTP parsing happens here: bytes are relayed, so keep-alive, pipelining, chunked bodies
 and ``Expect: 100-continue`` behave as with a direct connection. The script imports nothing
 from reshard, so it runs from its file path in any interpreter.
+
+``--log FILE`` records each connection's opening, each request's line and ``Range`` header as it
+arrives and the first byte of its answer, with ``time.monotonic()`` stamps (one clock for every
+process here): :mod:`reshard.store.testing.chain` reads it to count the round trips a client
+made one after another (the critical path of a load, as the link saw it).
 """
 
 from __future__ import annotations
@@ -29,6 +34,38 @@ import time
 
 _CHUNK = 1 << 20
 _PACED_CHUNK = 64 << 10
+_METHODS = (b"GET ", b"HEAD ", b"PUT ", b"POST ", b"DELETE ")
+
+
+class _Log:
+    """The request log (``--log``): one tab-separated line an event, written whole under a lock."""
+
+    def __init__(self, path: str | None) -> None:
+        self.file = open(path, "a", buffering=1) if path else None  # noqa: SIM115 - open for the relay's life
+        self.lock = threading.Lock()
+        self.conns = 0
+
+    def new_conn(self, port: int) -> int:
+        with self.lock:
+            self.conns += 1
+            n = self.conns
+        self.write(n, "open", str(port))
+        return n
+
+    def write(self, conn: int, kind: str, detail: str = "") -> None:
+        if self.file is not None:
+            with self.lock:
+                self.file.write(f"{time.monotonic():.6f}\t{conn}\t{kind}\t{detail}\n")
+
+
+def _request_line(data: bytes) -> str | None:
+    """``METHOD PATH RANGE`` of a request that starts ``data`` (RANGE ``-`` when none), else None."""
+    if not data.startswith(_METHODS):
+        return None
+    head = data.split(b"\r\n\r\n", 1)[0].decode("latin-1").split("\r\n")
+    method, _, rest = head[0].partition(" ")
+    rng = next((h.split(":", 1)[1].strip() for h in head[1:] if h.lower().startswith("range:")), "-")
+    return f"{method} {rest.rsplit(' ', 1)[0]} {rng.replace(' ', '')}"
 
 
 def _nodelay(sock: socket.socket) -> None:
@@ -38,8 +75,12 @@ def _nodelay(sock: socket.socket) -> None:
 class _Pipe:
     """One client connection relayed to one upstream connection."""
 
-    def __init__(self, client: socket.socket, upstream: tuple[str, int], rtt: float, conn_rate: float) -> None:
+    def __init__(self, client: socket.socket, upstream: tuple[str, int], rtt: float, conn_rate: float,
+                 log: _Log | None = None, port: int = 0) -> None:
         self.client = client
+        self.log = log if log is not None and log.file is not None else None
+        self.conn = self.log.new_conn(port) if self.log is not None else 0
+        self.unanswered = 0  # requests logged whose answer's first byte was not seen yet
         self.conn_rate = conn_rate
         self.upstream_addr = upstream
         self.rtt = rtt
@@ -59,6 +100,10 @@ class _Pipe:
             while True:
                 data = self.client.recv(_CHUNK)
                 due = max(time.monotonic(), ready) + self.rtt
+                if self.log is not None and (line := _request_line(data)) is not None:
+                    with self.cond:
+                        self.unanswered += 1
+                    self.log.write(self.conn, "req", line)
                 with self.cond:
                     self.queue.append((due, data))
                     self.cond.notify()
@@ -110,6 +155,10 @@ class _Pipe:
                 n = self.upstream.recv_into(buf)
                 if not n:
                     break
+                if self.log is not None and self.unanswered:
+                    with self.cond:
+                        self.unanswered -= 1
+                    self.log.write(self.conn, "resp")
                 if paced:
                     now = time.monotonic()
                     tokens = min(float(_PACED_CHUNK * 4), tokens + (now - last) * self.conn_rate) - n
@@ -123,11 +172,13 @@ class _Pipe:
                 self.upstream.shutdown(socket.SHUT_RDWR)
 
 
-def _serve(listener: socket.socket, upstream: tuple[str, int], rtt: float, conn_rate: float) -> None:
+def _serve(listener: socket.socket, upstream: tuple[str, int], rtt: float, conn_rate: float,
+           log: _Log | None = None) -> None:
+    port = listener.getsockname()[1]
     while True:
         client, _ = listener.accept()
         _nodelay(client)
-        threading.Thread(target=_Pipe(client, upstream, rtt, conn_rate).run, daemon=True).start()
+        threading.Thread(target=_Pipe(client, upstream, rtt, conn_rate, log, port).run, daemon=True).start()
 
 
 def _addr(text: str) -> tuple[str, int]:
@@ -143,12 +194,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--conn-mbit", type=float, default=0.0,
                         help="cap each connection's downloads at this many Mbit/s (0: no cap)")
     parser.add_argument("--ready", help="file to create once every route listens")
+    parser.add_argument("--log", help="append each connection, request and answer's first byte to this file")
     args = parser.parse_args(argv)
+    log = _Log(args.log)
     threads = []
     for route in args.route:
         listen, _, upstream = route.partition("=")
         listener = socket.create_server(_addr(listen), backlog=512)
-        serve = (listener, _addr(upstream), args.rtt, args.conn_mbit * 1e6 / 8)
+        serve = (listener, _addr(upstream), args.rtt, args.conn_mbit * 1e6 / 8, log)
         threads.append(threading.Thread(target=_serve, args=serve, daemon=True))
     for t in threads:
         t.start()

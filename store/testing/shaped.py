@@ -48,7 +48,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from . import latency
+from . import chain, latency
 from .service import REGION, LocalService, s3_request, s3_storage_options
 
 __all__ = ["ShapedCloud", "ShapedCloudUnavailable", "unavailable"]
@@ -246,7 +246,7 @@ class ShapedCloud(LocalService):
         self._spawn("latency", sys.executable, latency.__file__, "--rtt", repr(self.rtt),
                     "--route", f"{self.address}:{_HTTP_PORT}=127.0.0.1:{_NGINX_PORT}",
                     "--route", f"{self.address}:{_S3_PORT}=127.0.0.1:{_MOTO_PORT}", "--ready", str(ready),
-                    "--conn-mbit", repr(self.conn_mbit or 0.0))
+                    "--conn-mbit", repr(self.conn_mbit or 0.0), "--log", str(tmp / "requests.tsv"))
         deadline = time.monotonic() + 60
         (self.root / ".reshard-cloud-probe").write_bytes(b"ok")
         waiting = {"nginx": self._probe_http, "moto": self._probe_s3}
@@ -264,6 +264,12 @@ class ShapedCloud(LocalService):
                 raise ShapedCloudUnavailable(f"shaped cloud not ready in 60 s ({', '.join(waiting)}): {self._logs()}")
             time.sleep(0.05)
         (self.root / ".reshard-cloud-probe").unlink()
+
+    def requests(self, since: float = 0.0, until: float = float("inf")) -> list[chain.Relayed]:
+        """The requests the relay passed on in ``[since, until)`` (``time.monotonic()``), in order sent;
+        :func:`reshard.store.testing.chain.depths` counts their round trips one after another."""
+        assert self._tmp is not None
+        return chain.read_log(Path(self._tmp) / "requests.tsv", since, until)
 
     def _logs(self) -> str:
         assert self._tmp is not None

@@ -96,6 +96,9 @@ FORMS: dict[str, dict[str, Any]] = {"directory": {"form": "directory"}, "packed"
 #: form adds the kinds of files it writes.
 KIND_RULES: list[tuple[str, str]] = [
     ("marker", r"^\.reshard/commit\.json$"),
+    # the root's copy of the committed metadata: used only when its sha256 is the marker's, so damage to it
+    # is harmless (the generation's own document is read instead); the read must still be exact
+    ("head", r"^\.reshard/head\.json$"),
     ("lock", r"(^|/)\.reshard/commit\.lock$"),
     ("lease", r"^gen-[^/]+/\.reshard/lease\.json$"),  # a writer's lease: read by gc only, never by readers
     ("manifest", r"^gen-[^/]+/\.reshard/ranks/\d+\.json$"),
