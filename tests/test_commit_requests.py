@@ -1,8 +1,9 @@
 """The commit's own requests on S3 (issue 38): counted on the wire by the proxy in front of a real moto server.
 
 A packed save of N ranks commits with a lock, one read of each rank's trailer (side by side), one read of the
-records' carrier, the gc check, the references and the root document (side by side), the marker and the lock's
-"done": N + 2 GETs and 5 PUTs whatever N, no listing, no HEAD.
+records' carrier, the gc check, the references and the root document (side by side), the root's copy of that
+document beside the end of the gc check, the marker and the lock's "done": N + 2 GETs and 6 PUTs whatever N, no
+listing, no HEAD.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ pytest.importorskip("s3fs")
 
 
 @pytest.mark.parametrize("ranks", [2, 8, 24])
-def test_a_packed_commit_reads_each_trailer_once_and_writes_five_objects(
+def test_a_packed_commit_reads_each_trailer_once_and_writes_six_objects(
         s3_server: LocalS3Server, s3_proxy: S3Proxy, ranks: int) -> None:
     url, opts = f"s3://{s3_server.make_bucket()}/ck", s3_proxy.storage_options()
     lay = {f"t{i}": Layout.from_dtensor((ranks,), ["S(0)"], (ranks * 4, 8)) for i in range(5)}
@@ -36,6 +37,6 @@ def test_a_packed_commit_reads_each_trailer_once_and_writes_five_objects(
     assert by["GET"] == ranks + 2 and len(trailers) == ranks + 1  # + the records' carrier, + gc's mark
     assert sorted(r.path.split("/", 2)[-1] for r in log if r.method == "PUT") == sorted(
         ["gen-3/.reshard/commit.lock"] * 2 + ["gen-3/refs.json", "gen-3/.reshard/metadata.json",
-                                             ".reshard/commit.json"])
+                                             ".reshard/head.json", ".reshard/commit.json"])
     back = rs.open(url, storage_options=opts).read_all()
     assert all(np.array_equal(back[k], v) for k, v in full.items())
