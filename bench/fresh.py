@@ -20,6 +20,12 @@ commits; once. This module measures that way, beside the warm harness:
   (:data:`BACKED`: the harness touches and frees memory just before the run,
   :func:`bench.harness.back_free_memory`), as every machine without a balloon
   gives it. Saves allocate nothing in their timed window but an 8 MiB buffer;
+- the W1 load runs a third time *in place* (:data:`IN_PLACE`, issue 37 item 8): each
+  rank's destinations are allocated and touched before timing (a job resuming into
+  its model), reshard's ``load(..., out=)`` and DCP's ``dcp.load`` into a state dict;
+  beside them the floor: 7 fresh processes ``readinto`` their seventh of the same
+  files (:class:`ReadInto`), and, with ``--against DIR``, the same reshard load run by
+  another checkout (``reshard before``);
 - reshard and DCP alternate (A B A B ...), ``reps`` times each, every run after
   a pause of ``SETTLE_S`` (see :func:`bench.harness.run_group`); the rows give the
   median, min and max.
@@ -27,7 +33,9 @@ commits; once. This module measures that way, beside the warm harness:
 
 from __future__ import annotations
 
+import os
 import shutil
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -46,6 +54,13 @@ CASES = (("w1", [8], [7], "save, 8 fresh processes, defaults", "redivided load 8
 
 #: Phase suffix of the loads run on host-backed memory, and how much (times the workload's bytes) is backed first.
 BACKED, BACKED_TIMES = ", host-backed memory", 3
+
+#: Phase suffix of the loads into destinations allocated (and touched) before timing; W1 only.
+IN_PLACE = ", into allocated buffers"
+
+#: Notes of the in-place rows.
+NOTES = {"readinto": "floor: 1/7 of the same files each, readinto, no format",
+         "reshard before": "the --against checkout"}
 
 #: Pause before each timed run: fresh memory costs the same whichever system ran before (harness.run_group).
 SETTLE_S = 3.0
@@ -99,6 +114,60 @@ class DcpSave(tasks_dcp._Sharded):
         dcp.save(self.state, checkpoint_id=self.ctx.args["url"])  # ends with a collective: the ranks finish together
 
 
+class ReadInto(Task):
+    """The floor of an in-place load: ``readinto`` this rank's ``1/world`` of the checkpoint's bytes.
+
+    The files under ``url`` (sorted) are taken as one run of bytes; rank ``r`` reads the
+    ``r``-th of ``world`` equal parts, with unbuffered ``readinto`` into one buffer allocated
+    and touched before timing: no format, no metadata, no redivision, no threads.
+    """
+
+    def __init__(self, ctx: Ctx) -> None:
+        paths = files_under(ctx.args["url"])
+        sizes = [os.path.getsize(p) for p in paths]
+        total = sum(sizes)
+        lo, hi = total * ctx.rank // ctx.world, total * (ctx.rank + 1) // ctx.world
+        self.parts: list[tuple[str, int, int]] = []  # (path, offset, length)
+        start = 0
+        for path, size in zip(paths, sizes, strict=True):
+            a, b = max(lo, start), min(hi, start + size)
+            if a < b:
+                self.parts.append((path, a - start, b - a))
+            start += size
+        self.buf = np.ones(hi - lo, np.uint8)
+
+    def run(self, rep: int) -> dict[str, Any]:
+        view, pos = memoryview(self.buf), 0
+        for path, offset, length in self.parts:
+            with open(path, "rb", buffering=0) as f:
+                f.seek(offset)
+                end = pos + length
+                while pos < end:
+                    got = f.readinto(view[pos:end])
+                    if not got:
+                        raise EOFError(f"{path} ended early")
+                    pos += got
+        return {"bytes": pos}
+
+
+class DcpLoadInto(tasks_dcp.Load):
+    """``dcp.load`` into a state dict of DTensors allocated and touched before timing."""
+
+    def __init__(self, ctx: Ctx) -> None:
+        import torch
+
+        super().__init__(ctx)
+        self.state = {s.name: self.dtensor(s, torch.zeros(tuple(r.stop - r.start for r in self.regions[s.name]),
+                                                          dtype=tasks_dcp._torch_dtype(s.dtype)))
+                      for s in self.specs}
+
+    def run(self, rep: int) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(self.state, checkpoint_id=self.ctx.args["url"])
+        self.got = self.state
+
+
 def run(runner: Runner) -> None:
     """The fresh rows of every case, reshard and DCP interleaved, ``runner.opts.reps`` runs each."""
     opts = runner.opts
@@ -116,6 +185,30 @@ def run(runner: Runner) -> None:
             time_cat(files_under(urls[s]), 1, 0)
         for suffix, backed in (("", 0), (BACKED, BACKED_TIMES * size)):
             _interleaved(runner, label, load + suffix, systems, loads, base, urls, len(_ranks(target)), size, backed)
+        if workload == "w1":
+            _in_place(runner, label, load + IN_PLACE, systems, base, urls, len(_ranks(target)), size)
+
+
+def _in_place(runner: Runner, label: str, phase: str, systems: list[str], base: dict[str, Any],
+              urls: dict[str, str], world: int, size: int) -> None:
+    """The loads into allocated buffers: the ``readinto`` floor, reshard (and ``--against``'s), DCP."""
+    tasks = {"readinto": "bench.fresh:ReadInto", "reshard": "bench.tasks_reshard:Load",
+             "dcp": "bench.fresh:DcpLoadInto"}
+    names = ["readinto", "reshard", *(["reshard before"] if runner.opts.against else []), *systems[1:]]
+    envs = {"reshard before": before_env(runner.opts.against, runner.dir("against-links"))} \
+        if runner.opts.against else {}
+    _interleaved(runner, label, phase, names, {**tasks, "reshard before": tasks["reshard"]},
+                 {**base, "into": True}, {**urls, "readinto": urls["reshard"], "reshard before": urls["reshard"]},
+                 world, size, envs=envs)
+
+
+def before_env(checkout: Path, links: str) -> dict[str, str]:
+    """Workers' environment in which ``reshard`` is the one in ``checkout`` (``bench`` stays this one)."""
+    from bench.cli_start import checkout_env
+    from bench.harness import ROOT
+
+    env = checkout_env(checkout, Path(links))
+    return {"PYTHONPATH": f"{ROOT}{os.pathsep}{env['PYTHONPATH']}"}
 
 
 def _ranks(mesh: list[int]) -> range:
@@ -123,7 +216,8 @@ def _ranks(mesh: list[int]) -> range:
 
 
 def _interleaved(runner: Runner, label: str, phase: str, systems: list[str], tasks: dict[str, str],
-                 base: dict[str, Any], urls: dict[str, str], world: int, size: int, backed: int = 0) -> None:
+                 base: dict[str, Any], urls: dict[str, str], world: int, size: int, backed: int = 0,
+                 envs: dict[str, dict[str, str]] | None = None) -> None:
     """``reps`` rounds of one fresh group per system (A B A B ...); one row per system."""
     from bench.workloads import Row
 
@@ -132,7 +226,8 @@ def _interleaved(runner: Runner, label: str, phase: str, systems: list[str], tas
         for s in systems:
             args = {**base, "url": urls[s], **({"port": free_port()} if s == "dcp" else {})}
             m = run_group(tasks[s], world, args, reps=1, warmup=0, budget_s=runner.opts.budget_s,
-                          settle_s=0.0 if runner.opts.cfg is data.SMOKE else SETTLE_S, backed_bytes=backed)
+                          settle_s=0.0 if runner.opts.cfg is data.SMOKE else SETTLE_S, backed_bytes=backed,
+                          env=(envs or {}).get(s))
             into = got[s]
             into.times += m.times
             into.peak_rss, into.base_rss = max(into.peak_rss, m.peak_rss), max(into.base_rss, m.base_rss)
@@ -141,7 +236,8 @@ def _interleaved(runner: Runner, label: str, phase: str, systems: list[str], tas
     for s in systems:
         m = got[s]
         note = "fresh processes, A B A B; " + ("durable=True (default)" if s == "reshard" and "save" in phase
-                                               else "sync_files=True (default)" if "save" in phase else "")
+                                               else "sync_files=True (default)" if "save" in phase
+                                               else NOTES.get(s, ""))
         runner.rows.append(Row(label, phase, s, m, size, note.strip("; ")))
         print(f"  {label:<8} {phase:<34} {s:<8} " + (f"{m.median:8.3f} s {m.times}" if m.ok else f"FAILED {m.error}"),
               flush=True)
