@@ -24,8 +24,9 @@ commits; once. This module measures that way, beside the warm harness:
   rank's destinations are allocated and touched before timing (a job resuming into
   its model), reshard's ``load(..., out=)`` and DCP's ``dcp.load`` into a state dict;
   beside them the floor: 7 fresh processes ``readinto`` their seventh of the same
-  files (:class:`ReadInto`), and, with ``--against DIR``, the same reshard load run by
-  another checkout (``reshard before``);
+  files (:class:`ReadInto`), the same with the crc32c of what they read
+  (:class:`ReadIntoChecked`: reshard checks every chunk's), and, with ``--against DIR``,
+  the same reshard load run by another checkout (``reshard before``);
 - reshard and DCP alternate (A B A B ...), ``reps`` times each, every run after
   a pause of ``SETTLE_S`` (see :func:`bench.harness.run_group`); the rows give the
   median, min and max.
@@ -58,8 +59,12 @@ BACKED, BACKED_TIMES = ", host-backed memory", 3
 #: Phase suffix of the loads into destinations allocated (and touched) before timing; W1 only.
 IN_PLACE = ", into allocated buffers"
 
+#: Pieces :class:`ReadIntoChecked` takes the crc32c of (W1's inner chunks: 35 rows of 3744 float32).
+CRC_PIECE = 35 * 3744 * 4
+
 #: Notes of the in-place rows.
 NOTES = {"readinto": "floor: 1/7 of the same files each, readinto, no format",
+         "readinto + crc32c": "floor of a checked load: the same, and the crc32c of every 512 KiB",
          "reshard before": "the --against checkout"}
 
 #: Pause before each timed run: fresh memory costs the same whichever system ran before (harness.run_group).
@@ -119,8 +124,12 @@ class ReadInto(Task):
 
     The files under ``url`` (sorted) are taken as one run of bytes; rank ``r`` reads the
     ``r``-th of ``world`` equal parts, with unbuffered ``readinto`` into one buffer allocated
-    and touched before timing: no format, no metadata, no redivision, no threads.
+    and touched before timing: no format, no metadata, no redivision, no threads. With
+    ``args["crc"]`` (:class:`ReadIntoChecked`) it also takes the crc32c of every
+    ``CRC_PIECE`` bytes read, as a load that checks its data must.
     """
+
+    crc = False
 
     def __init__(self, ctx: Ctx) -> None:
         paths = files_under(ctx.args["url"])
@@ -147,7 +156,18 @@ class ReadInto(Task):
                     if not got:
                         raise EOFError(f"{path} ended early")
                     pos += got
+        if self.crc:
+            import crc32c
+
+            for at in range(0, pos, CRC_PIECE):
+                crc32c.crc32c(view[at:at + CRC_PIECE])
         return {"bytes": pos}
+
+
+class ReadIntoChecked(ReadInto):
+    """:class:`ReadInto`, then the crc32c of each ``CRC_PIECE`` bytes: the floor of a load that checks its data."""
+
+    crc = True
 
 
 class DcpLoadInto(tasks_dcp.Load):
@@ -192,13 +212,14 @@ def run(runner: Runner) -> None:
 def _in_place(runner: Runner, label: str, phase: str, systems: list[str], base: dict[str, Any],
               urls: dict[str, str], world: int, size: int) -> None:
     """The loads into allocated buffers: the ``readinto`` floor, reshard (and ``--against``'s), DCP."""
-    tasks = {"readinto": "bench.fresh:ReadInto", "reshard": "bench.tasks_reshard:Load",
-             "dcp": "bench.fresh:DcpLoadInto"}
-    names = ["readinto", "reshard", *(["reshard before"] if runner.opts.against else []), *systems[1:]]
+    tasks = {"readinto": "bench.fresh:ReadInto", "readinto + crc32c": "bench.fresh:ReadIntoChecked",
+             "reshard": "bench.tasks_reshard:Load", "dcp": "bench.fresh:DcpLoadInto"}
+    names = ["readinto", "readinto + crc32c", "reshard", *(["reshard before"] if runner.opts.against else []),
+             *systems[1:]]
     envs = {"reshard before": before_env(runner.opts.against, runner.dir("against-links"))} \
         if runner.opts.against else {}
     _interleaved(runner, label, phase, names, {**tasks, "reshard before": tasks["reshard"]},
-                 {**base, "into": True}, {**urls, "readinto": urls["reshard"], "reshard before": urls["reshard"]},
+                 {**base, "into": True}, {**urls, **{n: urls["reshard"] for n in names if n != "dcp"}},
                  world, size, envs=envs)
 
 

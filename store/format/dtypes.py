@@ -41,6 +41,13 @@ _BY_DTYPE = {dt: name for name, dt in _BY_NAME.items()}
 #: Every dtype name a checkpoint may hold.
 SUPPORTED = tuple(_BY_NAME)
 
+#: safetensors dtype names of the stored dtypes.
+SAFETENSORS_DTYPES = {
+    "bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "uint16": "U16", "int32": "I32",
+    "uint32": "U32", "int64": "I64", "uint64": "U64", "float16": "F16", "bfloat16": "BF16",
+    "float32": "F32", "float64": "F64", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+}
+
 
 def dtype_name(dtype: Any) -> str:
     """Return the stored name of a numpy dtype (native byte order assumed).

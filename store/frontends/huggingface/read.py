@@ -42,10 +42,9 @@ import numpy as np
 from reshard.layouts import Layout
 from reshard.layouts.errors import CheckpointNotFoundError, DTypeMismatchError, FormatError
 
-from ...format.dtypes import numpy_dtype
-from ...format.tree import LayoutSpec, resolve_layout
+from ...format.dtypes import SAFETENSORS_DTYPES, numpy_dtype
+from ...format.tree import FILES_LEAF, METADATA_LEAF, LayoutSpec, resolve_layout
 from ...read.checkpoint import Checkpoint
-from ...read.export import FILES_LEAF, METADATA_LEAF, SAFETENSORS_DTYPES
 from ...read.open import open as open_checkpoint
 from ...write.writer import create, single_process
 from ..sources import Skips, refuse_empty, source_path
