@@ -1,5 +1,6 @@
 """What a command or a load imports (issue 37 items 7 and 8): the public names of ``reshard.store``
-are kept in two places by hand, and reshard's own reads and writes need no zarr-python."""
+are kept in two places by hand, and reshard's own reads and writes of local files need neither
+zarr-python nor fsspec."""
 
 from __future__ import annotations
 
@@ -51,9 +52,11 @@ def test_zarr_dtypes_agree_with_dtypes_and_are_found_there_too():
 
 PROBE = """
 import json, sys
+def heavy():
+    return sorted(m for m in sys.modules if m.split(".")[0] in ("zarr", "numcodecs", "fsspec"))
 from reshard.store.cli import main
 assert main(["import", "safetensors", sys.argv[1], sys.argv[2]]) == 0
-after_import = sorted(m for m in sys.modules if m == "zarr" or m.startswith(("zarr.", "numcodecs")))
+after_import = heavy()
 import numpy as np
 import reshard.store as rs
 from reshard.layouts import Layout
@@ -63,11 +66,11 @@ out = {n: np.zeros(lay.local_shape(1), np.float32) for n, lay in layouts.items()
 ckpt.load(layouts, 1, out=out)
 np.save(sys.argv[3], np.stack([out[n] for n in sorted(out)]))
 np.save(sys.argv[4], np.stack([np.asarray(ckpt[n][...]) for n in sorted(ckpt)]))
-print(json.dumps([after_import, sorted(m for m in sys.modules if m == "zarr" or m.startswith(("zarr.", "numcodecs")))]))
+print(json.dumps([after_import, heavy()]))
 """
 
 
-def test_importing_safetensors_and_loading_a_rank_import_no_zarr(tmp_path):
+def test_importing_safetensors_and_loading_a_rank_import_neither_zarr_nor_fsspec(tmp_path):
     from safetensors.numpy import load_file, save_file
 
     rng = np.random.default_rng(0)
@@ -82,3 +85,33 @@ def test_importing_safetensors_and_loading_a_rank_import_no_zarr(tmp_path):
     names = sorted(want)
     np.testing.assert_array_equal(np.load(tmp_path / "rank1.npy"), np.stack([want[n][4:8] for n in names]))
     np.testing.assert_array_equal(np.load(tmp_path / "whole.npy"), np.stack([want[n] for n in names]))
+
+
+def test_plain_files_answer_as_fsspecs_local_file_system(tmp_path):
+    from fsspec.implementations.local import LocalFileSystem
+    from reshard.store.io.localfs import PlainFiles, plain_root
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.json").write_bytes(b"{}")
+    (tmp_path / "w.safetensors").write_bytes(b"x" * 100)
+    (tmp_path / "link.json").symlink_to(tmp_path / "a.json")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nothing")
+    ours, theirs = PlainFiles(), LocalFileSystem()
+    keys = ("name", "size", "type", "islink")
+    for path in (str(tmp_path), f"{tmp_path}/", str(tmp_path / "a.json")):
+        assert sorted(ours.ls(path)) == sorted(theirs.ls(path))
+        assert sorted(tuple(i[k] for k in keys) for i in ours.ls(path, detail=True)) == \
+            sorted(tuple(i[k] for k in keys) for i in theirs.ls(path, detail=True))
+    for name in ("a.json", "w.safetensors", "link.json", "dangling", "sub", "nothing"):
+        path = str(tmp_path / name)
+        assert ours.exists(path) == theirs.exists(path) and ours.isdir(path) == theirs.isdir(path), name
+    assert ours.size(str(tmp_path / "w.safetensors")) == theirs.size(str(tmp_path / "w.safetensors")) == 100
+    with ours.open(str(tmp_path / "link.json")) as f:
+        assert f.read() == b"{}"
+    for call in (ours.ls, ours.size, ours.open):
+        with pytest.raises(FileNotFoundError):
+            call(str(tmp_path / "nothing"))
+    with pytest.raises(ValueError, match="reading only"):
+        ours.open(str(tmp_path / "a.json"), "wb")
+    assert plain_root("s3://bucket/x") is None and plain_root("memory://x") is None
+    assert plain_root("simplecache::/tmp/x") is None

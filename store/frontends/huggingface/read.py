@@ -44,6 +44,7 @@ from reshard.layouts.errors import CheckpointNotFoundError, DTypeMismatchError, 
 
 from ...format.dtypes import SAFETENSORS_DTYPES, numpy_dtype
 from ...format.tree import FILES_LEAF, METADATA_LEAF, LayoutSpec, resolve_layout
+from ...io.localfs import PlainFiles, plain_root
 from ...read.checkpoint import Checkpoint
 from ...read.open import open as open_checkpoint
 from ...write.writer import create, single_process
@@ -97,6 +98,10 @@ def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 def _fs(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any, str]:
+    """The file system and path of ``url``: a plain local path without fsspec (:class:`.PlainFiles`)."""
+    root = None if storage_options else plain_root(str(url))
+    if root is not None:
+        return PlainFiles(), root
     import fsspec
 
     return fsspec.core.url_to_fs(str(url), **(storage_options or {}))
