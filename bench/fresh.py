@@ -209,6 +209,56 @@ def run(runner: Runner) -> None:
             _in_place(runner, label, load + IN_PLACE, systems, base, urls, len(_ranks(target)), size)
 
 
+def in_place_only(runner: Runner) -> None:
+    """W1 only: the fresh save (each system's checkpoint) and the in-place load rows (``python -m bench.fresh``)."""
+    opts = runner.opts
+    systems = ["reshard", *(["dcp"] if "dcp" in opts.anchors else [])]
+    workload, mesh, target, save, load = CASES[0]
+    cfg = opts.cfg[workload]
+    size = data.total_bytes(data.tensors(workload, cfg))
+    label = f"{workload.upper()} fresh"
+    base = {"workload": workload, "cfg": cfg, "mesh": mesh, "target": target}
+    urls = {s: runner.dir(f"{label.replace(' ', '-')}-{s}") for s in systems}
+    _interleaved(runner, label, save, systems, {"reshard": "bench.fresh:ReshardSave", "dcp": "bench.fresh:DcpSave"},
+                 base, urls, len(_ranks(mesh)), size)
+    for s in systems:
+        time_cat(files_under(urls[s]), 1, 0)
+    _in_place(runner, label, load + IN_PLACE, systems, base, urls, len(_ranks(target)), size)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.fresh [--against DIR] [--reps N] [--out FILE]``: :func:`in_place_only`, as a table."""
+    import argparse
+    import sys
+    import tempfile
+    import time
+
+    from bench.report import machine, markdown
+    from bench.workloads import Options, Runner, available_anchors
+
+    p = argparse.ArgumentParser(prog="python -m bench.fresh", description=in_place_only.__doc__)
+    p.add_argument("--against", type=Path, default=None, help="another reshard checkout, run beside this one")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--no-anchors", action="store_true", help="skip DCP")
+    p.add_argument("--out", default=str(Path(__file__).parent / "results-fresh-inplace.md"))
+    args = p.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="reshard-fresh-"))
+    opts = Options(cfg=data.FULL, workdir=work, reps=args.reps, only={"fresh"}, against=args.against,
+                   anchors=set() if args.no_anchors else available_anchors() & {"dcp"})
+    t0, load0 = time.monotonic(), os.getloadavg()[0]
+    try:
+        runner = Runner(opts)
+        in_place_only(runner)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    text = markdown(runner.rows, opts, machine(), f"Total time: {time.monotonic() - t0:.0f} s; load average "
+                    f"{load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.")
+    print(text)
+    Path(args.out).write_text(text)
+    sys.stdout.flush()
+    return 0
+
+
 def _in_place(runner: Runner, label: str, phase: str, systems: list[str], base: dict[str, Any],
               urls: dict[str, str], world: int, size: int) -> None:
     """The loads into allocated buffers: the ``readinto`` floor, reshard (and ``--against``'s), DCP."""
@@ -262,3 +312,7 @@ def _interleaved(runner: Runner, label: str, phase: str, systems: list[str], tas
         runner.rows.append(Row(label, phase, s, m, size, note.strip("; ")))
         print(f"  {label:<8} {phase:<34} {s:<8} " + (f"{m.median:8.3f} s {m.times}" if m.ok else f"FAILED {m.error}"),
               flush=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
