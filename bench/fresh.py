@@ -64,7 +64,8 @@ CRC_PIECE = 35 * 3744 * 4
 
 #: Notes of the in-place rows.
 NOTES = {"readinto": "floor: 1/7 of the same files each, readinto, no format",
-         "readinto + crc32c": "floor of a checked load: the same, and the crc32c of every 512 KiB",
+         "readinto + crc32c": ("the same, then the crc32c of every 512 KiB, one thread (reshard checks in its "
+                               "I/O threads)"),
          "reshard before": "the --against checkout"}
 
 #: Pause before each timed run: fresh memory costs the same whichever system ran before (harness.run_group).
