@@ -31,6 +31,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help="runs dropped per phase (default 1; smoke 0)")
     p.add_argument("--workdir", default=None, help="scratch folder (default: a temporary one, removed after)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results.md"), help="markdown output")
+    p.add_argument("--against", type=Path, default=None,
+                   help="another reshard checkout, run beside this one in the fresh in-place load rows")
     p.add_argument("--json", default=None, help="also write the rows as JSON here")
     return p.parse_args(argv)
 
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = Options(cfg=data.SMOKE if args.smoke else data.FULL, workdir=work,
                    reps=args.reps or (1 if args.smoke else 3),
                    warmup=args.warmup if args.warmup is not None else (0 if args.smoke else 1),
-                   full=args.full, only=only, anchors=anchors)
+                   full=args.full, only=only, anchors=anchors, against=args.against)
     info = machine()
     print(f"reshard benchmark: {info['machine']}; anchors: {sorted(anchors) or 'none'}; workdir {work}", flush=True)
     t0, load0 = time.monotonic(), os.getloadavg()[0]

@@ -99,13 +99,20 @@ def targets(rows: list[Row]) -> list[tuple[str, str, bool | None]]:
             ratio(w, save, anchor, "reshard", f"{anchor} / reshard time >= 2", lambda x: x >= 2)
         ratio(w, save, "reshard", "np.save", "reshard / np.save time <= 1.5", lambda x: x <= 1.5)
     ratio("W1", "save, 8 ranks, fsynced", "dcp", "reshard", "dcp / reshard time (>= 1 is better)", lambda x: x >= 1)
-    from bench.fresh import BACKED, CASES  # the user's way (issue 28): fresh processes, defaults
+    from bench.fresh import BACKED, CASES, IN_PLACE  # the user's way (issue 28): fresh processes, defaults
 
     for w, _, _, save, load in CASES:
         ratio(f"{w.upper()} fresh", save, "dcp", "reshard", "dcp / reshard time >= 1.5", lambda x: x >= 1.5)
         ratio(f"{w.upper()} fresh", load + BACKED, "dcp", "reshard", "dcp / reshard time >= 3", lambda x: x >= 3)
         ratio(f"{w.upper()} fresh", load, "dcp", "reshard", "dcp / reshard time (bound by this VM's host: "
               "docs/performance.md)", lambda x: None)
+    in_place = CASES[0][4] + IN_PLACE
+    ratio("W1 fresh", in_place, "reshard", "readinto", "reshard / readinto time <= 2", lambda x: x <= 2)
+    ratio("W1 fresh", in_place, "reshard", "readinto + crc32c", "reshard / (readinto + crc32c) time (<= 1.5 is "
+          "better)", lambda x: x <= 1.5)
+    ratio("W1 fresh", in_place, "dcp", "reshard", "dcp / reshard time >= 3", lambda x: x >= 3)
+    ratio("W1 fresh", in_place, "reshard before", "reshard", "--against checkout / this one (>= 1 is better)",
+          lambda x: x >= 1)
     warm, fresh = find(rows, "W1", "save, 8 ranks, fsynced", "reshard"), find(rows, "W1 fresh", CASES[0][3], "reshard")
     if warm and fresh:
         x = max(warm.m.median, fresh.m.median) / min(warm.m.median, fresh.m.median)

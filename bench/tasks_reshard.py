@@ -106,8 +106,10 @@ class Load(Task):
         self.out = None
         if ctx.args.get("into"):
             specs = {s.name: s for s in data.tensors(ctx.args["workload"], ctx.args["cfg"])}
-            self.out = {n: np.zeros(lay.local_shape(ctx.rank), data.np_dtype(specs[n].dtype))
+            self.out = {n: np.empty(lay.local_shape(ctx.rank), data.np_dtype(specs[n].dtype))
                         for n, lay in self.layouts.items() if ctx.rank in lay.ranks}
+            for a in self.out.values():  # touched: np.zeros of this size maps pages the first write faults in
+                a.reshape(-1).view(np.uint8).fill(0)
 
     def run(self, rep: int) -> dict[str, Any]:
         ckpt = self.rs.open(self.ctx.args["url"], storage_options=self.options)

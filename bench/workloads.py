@@ -38,6 +38,8 @@ class Options:
                                                     "fresh"})
     anchors: set[str] = field(default_factory=set)
     budget_s: float = 60.0
+    #: Another reshard checkout, run beside this one in the fresh in-place load rows (``--against``).
+    against: Path | None = None
 
 
 @dataclass

@@ -31,7 +31,7 @@ __version__ = "0.1.0"
 _HOMES = {
     "FORMAT_VERSION": ("format.meta", "FORMAT_VERSION"),
     "SUPPORTED_DTYPES": ("format.dtypes", "SUPPORTED"),
-    "register_zarr_dtypes": ("format.dtypes", "register_zarr_dtypes"),
+    "register_zarr_dtypes": ("format.zarr_dtypes", "register_zarr_dtypes"),
     "Checkpoint": ("read.checkpoint", "Checkpoint"),
     "LazyTensor": ("read.checkpoint", "LazyTensor"),
     "CheckpointManager": ("manager", "CheckpointManager"),
@@ -58,8 +58,8 @@ if TYPE_CHECKING:
     from .commit.locks import unlock
     from .commit.protocol import commit
     from .format.dtypes import SUPPORTED as SUPPORTED_DTYPES
-    from .format.dtypes import register_zarr_dtypes
     from .format.meta import FORMAT_VERSION
+    from .format.zarr_dtypes import register_zarr_dtypes
     from .io.stats import IOStats
     from .manager import CheckpointManager
     from .ops.redivide import convert, redivide, save, save_pieces

@@ -68,6 +68,10 @@ def test_table_has_the_expected_rows(smoke: dict[str, Any]) -> None:
         ("W3 fresh", "save, tp4 x dp2, fresh processes, defaults", "reshard"),
         ("W3 fresh", "redivided load to tp2 x dp3, fresh", "reshard"),
         ("W3 fresh", "redivided load to tp2 x dp3, fresh, host-backed memory", "reshard"),
+        # issue 37 item 8: the in-place load beside its floors
+        ("W1 fresh", "redivided load 8 -> 7, fresh processes, into allocated buffers", "readinto"),
+        ("W1 fresh", "redivided load 8 -> 7, fresh processes, into allocated buffers", "readinto + crc32c"),
+        ("W1 fresh", "redivided load 8 -> 7, fresh processes, into allocated buffers", "reshard"),
     ]
     for key in want:
         _row(rows, *key)
@@ -111,6 +115,10 @@ def test_bytes_match(smoke: dict[str, Any]) -> None:
     assert part["checked"] == part["needed"] == w4 // 7
     assert part["wire_requests"] >= 1 and part["wire_bytes"] >= part["needed"]
     assert part["bytes_fetched"] == part["wire_bytes"]  # reshard's own counter agrees with the wire
+    in_place = "redivided load 8 -> 7, fresh processes, into allocated buffers"
+    assert _row(rows, "W1 fresh", in_place, "reshard")["extra"]["checked"] == w1
+    floor = _row(rows, "W1 fresh", in_place, "readinto")["extra"]["bytes"]  # every file's bytes, once
+    assert floor >= w1 and _row(rows, "W1 fresh", in_place, "readinto + crc32c")["extra"]["bytes"] == floor
     scale = _row(rows, "scaling", "ranks 64 -> 56: load, all ranks", "reshard")["extra"]
     assert scale["bytes"] == cfg["scale_count"] * math.prod(cfg["scale_shape"]) * 4
 

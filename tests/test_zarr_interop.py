@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import reshard.store as rs
 from reshard.layouts import Layout
-from reshard.store.format.dtypes import ZARR_DTYPES
+from reshard.store.format.zarr_dtypes import ZARR_DTYPES
 
 from tests.paths import zarr_root
 

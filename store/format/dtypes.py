@@ -3,20 +3,21 @@
 Names follow the zarr v3 core spec and, for the types the spec lacks
 (``bfloat16``, ``float8_e4m3fn``, ``float8_e5m2``), the names TensorStore uses,
 so TensorStore reads the files natively. numpy gets these types from
-``ml_dtypes``; zarr-python gets them from :func:`register_zarr_dtypes`, which
-this module calls when it is imported (and ``import reshard.store`` arranges when zarr is:
-:mod:`reshard.store.format.zarr_hook`).
+``ml_dtypes``; zarr-python gets them from
+:func:`reshard.store.format.zarr_dtypes.register_zarr_dtypes` (``import reshard.store``
+arranges that when zarr is imported: :mod:`reshard.store.format.zarr_hook`). This module
+does not import zarr (0.4 s): reshard's own reads and writes, and the importers, do not
+need it. ``register_zarr_dtypes``, ``ZARR_DTYPES`` and the dtype classes are still found
+here (the ``zarr.data_type`` entry points of earlier installs name this module).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar, TypeGuard
+from typing import Any
 
 import ml_dtypes
 import numpy as np
 from reshard.layouts.errors import DTypeMismatchError
-from zarr.core.dtype.npy.float import BaseFloat
 
 _BY_NAME: dict[str, np.dtype[Any]] = {
     "bool": np.dtype(np.bool_),
@@ -39,6 +40,13 @@ _BY_DTYPE = {dt: name for name, dt in _BY_NAME.items()}
 
 #: Every dtype name a checkpoint may hold.
 SUPPORTED = tuple(_BY_NAME)
+
+#: safetensors dtype names of the stored dtypes.
+SAFETENSORS_DTYPES = {
+    "bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "uint16": "U16", "int32": "I32",
+    "uint32": "U32", "int64": "I64", "uint64": "U64", "float16": "F16", "bfloat16": "BF16",
+    "float32": "F32", "float64": "F64", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+}
 
 
 def dtype_name(dtype: Any) -> str:
@@ -68,74 +76,13 @@ def numpy_dtype(name: str) -> np.dtype[Any]:
         ) from None
 
 
-class _MLFloat(BaseFloat):
-    """A zarr-python data type for one ml_dtypes float, under TensorStore's name.
-
-    Subclasses set ``dtype_cls``, ``_zarr_v3_name`` and ``_native``. They are
-    module-level classes so that zarr-python can load them from reshard's
-    ``zarr.data_type`` entry points (pyproject.toml) without ``import reshard.store``.
-    """
-
-    _native: ClassVar[np.dtype[Any]]
-    _zarr_v2_names: ClassVar[tuple[str, ...]] = ()
-
-    @classmethod
-    def _check_native_dtype(cls, dtype: Any) -> TypeGuard[Any]:
-        return bool(np.dtype(dtype) == cls._native)
-
-    def to_native_dtype(self) -> Any:
-        return self._native
-
-    @property
-    def item_size(self) -> int:
-        return int(self._native.itemsize)
+#: Names of :mod:`reshard.store.format.zarr_dtypes` also found here (imported, with zarr, on first use).
+_ZARR_NAMES = ("register_zarr_dtypes", "ZARR_DTYPES", "BFloat16", "Float8E4M3FN", "Float8E5M2")
 
 
-@dataclass(frozen=True, kw_only=True)
-class BFloat16(_MLFloat):
-    """``bfloat16`` (ml_dtypes.bfloat16)."""
+def __getattr__(name: str) -> Any:
+    if name in _ZARR_NAMES:
+        from . import zarr_dtypes
 
-    dtype_cls = type(_BY_NAME["bfloat16"])
-    _zarr_v3_name: ClassVar[str] = "bfloat16"
-    _native: ClassVar[np.dtype[Any]] = _BY_NAME["bfloat16"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Float8E4M3FN(_MLFloat):
-    """``float8_e4m3fn`` (ml_dtypes.float8_e4m3fn)."""
-
-    dtype_cls = type(_BY_NAME["float8_e4m3fn"])
-    _zarr_v3_name: ClassVar[str] = "float8_e4m3fn"
-    _native: ClassVar[np.dtype[Any]] = _BY_NAME["float8_e4m3fn"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Float8E5M2(_MLFloat):
-    """``float8_e5m2`` (ml_dtypes.float8_e5m2)."""
-
-    dtype_cls = type(_BY_NAME["float8_e5m2"])
-    _zarr_v3_name: ClassVar[str] = "float8_e5m2"
-    _native: ClassVar[np.dtype[Any]] = _BY_NAME["float8_e5m2"]
-
-
-#: The zarr-python data types reshard adds, by stored name (also declared as
-#: ``zarr.data_type`` entry points in pyproject.toml).
-ZARR_DTYPES: dict[str, type[_MLFloat]] = {c._zarr_v3_name: c for c in (BFloat16, Float8E4M3FN, Float8E5M2)}
-
-
-def register_zarr_dtypes() -> None:
-    """Teach zarr-python the ml_dtypes types under TensorStore's names (idempotent).
-
-    Importing this module calls it; ``import reshard.store`` has it called when zarr is
-    imported. zarr-python >= 3.4.1 also finds these types
-    by itself through reshard's ``zarr.data_type`` entry points; older zarr 3
-    releases collect entry points of that group but never load them.
-    """
-    from zarr.core.dtype import data_type_registry
-
-    for name, cls in ZARR_DTYPES.items():
-        if data_type_registry.contents.get(name) is not cls:
-            data_type_registry.register(name, cls)
-
-
-register_zarr_dtypes()
+        return getattr(zarr_dtypes, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

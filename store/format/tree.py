@@ -105,6 +105,10 @@ SKIPPED_LEAF = "reshard.skipped"
 #: The layouts of an import number the saved pieces (a rank may have saved several, e.g. flat optimizer
 #: ranges), so ``reshard inspect`` shows the job's ranks from here (:func:`reshard.store.read.display.saved_by`).
 SOURCE_LEAF = "reshard.source"
+#: Leaves of an imported Hugging Face folder: its files' ``__metadata__``, and the files kept beside the
+#: weights (:mod:`reshard.store.frontends.huggingface.folder`). safetensors exports write them back as such.
+METADATA_LEAF = "__metadata__"
+FILES_LEAF = "__files__"
 
 
 def json_leaves(leaves: Mapping[str, Any]) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 zarr-python releases before 3.4.1 collect the ``zarr.data_type`` entry points but never load
 them, so a process reads reshard's ``bfloat16``/``float8`` arrays with plain zarr only after
-:func:`reshard.store.format.dtypes.register_zarr_dtypes` ran. ``import reshard.store`` promises
+:func:`reshard.store.format.zarr_dtypes.register_zarr_dtypes` ran. ``import reshard.store`` promises
 that, without importing zarr itself (0.5 s: the command line's ``--help`` would pay it).
 :func:`register_dtypes_with_zarr` registers at once when zarr is already imported, else it puts
 a finder first on ``sys.meta_path`` that, the first time ``zarr`` is imported, lets zarr's own
@@ -20,10 +20,10 @@ from typing import Any
 
 
 def _register() -> None:
-    dtypes = sys.modules.get(f"{__package__}.dtypes")
-    if dtypes is not None and not hasattr(dtypes, "register_zarr_dtypes"):
-        return  # zarr is being imported by reshard's dtypes module, which registers when it is done
-    from .dtypes import register_zarr_dtypes
+    module = sys.modules.get(f"{__package__}.zarr_dtypes")
+    if module is not None and not hasattr(module, "register_zarr_dtypes"):
+        return  # zarr is being imported by reshard's zarr_dtypes module, which registers when it is done
+    from .zarr_dtypes import register_zarr_dtypes
 
     register_zarr_dtypes()
 

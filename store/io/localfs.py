@@ -10,6 +10,7 @@ remembered in the storage's ``checked`` set.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -26,6 +27,24 @@ READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOC
 def is_local_url(url: str) -> bool:
     """Whether ``url`` names a local path (no scheme, or ``file://``)."""
     return "://" not in url or url.startswith("file://")
+
+
+def plain_root(url: str) -> str | None:
+    """The absolute path fsspec's ``url_to_fs`` gives a plain local path (no scheme, no chaining), else None.
+
+    As ``fsspec.implementations.local.make_path_posix`` on POSIX: ``~`` expanded, a relative
+    path (``./`` dropped) joined to the working directory, trailing slashes dropped.
+    """
+    if "://" in url or "::" in url or os.sep != "/" or not url:
+        return None
+    if url.startswith("~"):
+        path = os.path.expanduser(url)
+    elif url.startswith("/"):
+        path = url
+    else:
+        rest = "" if url == "." else url[2:] if url.startswith("./") else url
+        path = f"{os.getcwd()}/{rest}"
+    return path.rstrip("/") or "/"
 
 
 def relative(key: str) -> bool:
@@ -164,3 +183,55 @@ def writev_all(fd: int, parts: Sequence[Any]) -> None:
             views.pop(0)
         if views and n:
             views[0] = views[0][n:]
+
+
+class PlainFiles:
+    """The calls the importers make of an fsspec file system, for plain local paths, without fsspec.
+
+    ``size``, ``open`` (``"rb"``), ``exists``, ``isdir`` and ``ls`` as ``LocalFileSystem`` answers
+    them (``ls(detail=True)``: ``name``, ``size``, ``type`` of the entry itself, ``islink``), so that
+    a command reading a local file need not import fsspec (60 ms).
+    """
+
+    def size(self, path: str) -> int:
+        return os.stat(path).st_size
+
+    def open(self, path: str, mode: str = "rb") -> Any:
+        if mode != "rb":
+            raise ValueError(f"PlainFiles opens for reading only, not {mode!r}")
+        return open(path, "rb")
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def isdir(self, path: str) -> bool:
+        return os.path.isdir(path)
+
+    def ls(self, path: str, detail: bool = False) -> list[Any]:
+        base = plain_root(path) or path
+        if not os.path.isdir(base):
+            os.stat(base)  # a missing path: FileNotFoundError, as fsspec
+            return [self._info(base, None)] if detail else [base]
+        out: list[Any] = []
+        with os.scandir(base) as it:
+            for entry in it:
+                with contextlib.suppress(FileNotFoundError):  # gone since listed: left out, as fsspec does
+                    out.append(self._info(f"{base}/{entry.name}", entry) if detail else f"{base}/{entry.name}")
+        return out
+
+    @staticmethod
+    def _info(path: str, entry: os.DirEntry[str] | None) -> dict[str, Any]:
+        if entry is None:
+            st = os.stat(path)
+            kind = "directory" if stat.S_ISDIR(st.st_mode) else "file" if stat.S_ISREG(st.st_mode) else "other"
+            return {"name": path, "size": st.st_size, "type": kind, "islink": os.path.islink(path)}
+        link = entry.is_symlink()
+        kind = ("directory" if entry.is_dir(follow_symlinks=False) else "file" if entry.is_file(follow_symlinks=False)
+                else "other")
+        size = entry.stat(follow_symlinks=False).st_size
+        if link:
+            try:
+                size = entry.stat(follow_symlinks=True).st_size
+            except OSError:
+                size = 0
+        return {"name": path, "size": size, "type": kind, "islink": link}

@@ -18,8 +18,6 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
-import fsspec
-from fsspec.implementations.local import LocalFileSystem
 from reshard.layouts.errors import CheckpointExistsError, ReshardError, StorageError
 
 from . import direct, localfs, multipart, retry
@@ -88,9 +86,17 @@ class Storage:
         self.url = str(url).rstrip("/")
         #: The fsspec options it was made with (credentials, endpoint...).
         self.options = dict(storage_options or {})
-        self.fs, root = fsspec.core.url_to_fs(self.url, **self.options)
+        local_root = None if self.options else localfs.plain_root(self.url)
+        if local_root is not None:  # fsspec (60 ms to import) only when a call needs it: see :attr:`fs`
+            self._fs: Any = None
+            root, self.local = local_root, True
+        else:
+            import fsspec
+            from fsspec.implementations.local import LocalFileSystem
+
+            self._fs, root = fsspec.core.url_to_fs(self.url, **self.options)
+            self.local = isinstance(self._fs, LocalFileSystem)
         self.root = root.rstrip("/")
-        self.local = isinstance(self.fs, LocalFileSystem)
         self.retries = retries
         self.durable = bool(durable) and self.local
         self.stats = IOStats()
@@ -106,6 +112,15 @@ class Storage:
 
     def __repr__(self) -> str:
         return f"Storage({self.url!r})"
+
+    @property
+    def fs(self) -> Any:
+        """The fsspec file system (for a plain local path, made on first use: ``LocalFileSystem()``)."""
+        if self._fs is None:
+            from fsspec.implementations.local import LocalFileSystem
+
+            self._fs = LocalFileSystem()
+        return self._fs
 
     def child(self, prefix: str) -> Storage:
         """The objects under ``prefix``, as a storage of their own (same filesystem, same counters)."""

@@ -44,8 +44,9 @@ import numpy as np
 from reshard.layouts.errors import BadNameError, DTypeMismatchError, TensorNotFoundError
 from reshard.layouts.views import View, check_view
 
+from ..format.dtypes import SAFETENSORS_DTYPES
 from ..format.meta import ArrayMeta
-from ..format.tree import json_leaves
+from ..format.tree import FILES_LEAF, METADATA_LEAF, json_leaves
 from ..io.localfs import is_local_url
 from ..io.replace import replacing
 from ..io.stats import IOStats
@@ -56,20 +57,10 @@ if TYPE_CHECKING:
 
 Region = tuple[slice, ...]
 
-#: safetensors dtype names of the stored dtypes.
-SAFETENSORS_DTYPES = {
-    "bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "uint16": "U16", "int32": "I32",
-    "uint32": "U32", "int64": "I64", "uint64": "U64", "float16": "F16", "bfloat16": "BF16",
-    "float32": "F32", "float64": "F64", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
-}
 #: npz holds these as unsigned ints of the same width (their bit patterns).
 NPZ_AS_BITS = {"bfloat16": "<u2", "float8_e4m3fn": "|u1", "float8_e5m2": "|u1"}
 #: Member holding the npz note when it is too long for the zip comment.
 NPZ_NOTE = "reshard.json"
-#: Leaves of an imported Hugging Face folder: its files' ``__metadata__``, and the files kept beside the
-#: weights (:mod:`reshard.store.frontends.huggingface.folder`). safetensors exports write them back as such.
-METADATA_LEAF = "__metadata__"
-FILES_LEAF = "__files__"
 
 
 # -------------------------------------------------------------------- plan

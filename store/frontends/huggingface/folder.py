@@ -23,7 +23,7 @@ from typing import Any
 
 from reshard.layouts.errors import FormatError
 
-from ...read.export import FILES_LEAF
+from ...format.tree import FILES_LEAF
 
 #: The index file of a sharded folder, and its shards' names (as ``save_pretrained`` writes them).
 INDEX_NAME = "model.safetensors.index.json"

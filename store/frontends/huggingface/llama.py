@@ -22,9 +22,8 @@ from typing import Any
 
 from reshard.layouts.megatron_hf import OPTIMIZER_PREFIXES, ConversionError, LlamaSizes, llama_views
 
-from ...format.tree import json_leaves
+from ...format.tree import FILES_LEAF, METADATA_LEAF, json_leaves
 from ...read.checkpoint import Checkpoint
-from ...read.export import FILES_LEAF, METADATA_LEAF
 from ...read.open import open as open_checkpoint
 from .write import DEFAULT_SHARD_SIZE, export_safetensors
 

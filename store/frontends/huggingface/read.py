@@ -42,10 +42,10 @@ import numpy as np
 from reshard.layouts import Layout
 from reshard.layouts.errors import CheckpointNotFoundError, DTypeMismatchError, FormatError
 
-from ...format.dtypes import numpy_dtype
-from ...format.tree import LayoutSpec, resolve_layout
+from ...format.dtypes import SAFETENSORS_DTYPES, numpy_dtype
+from ...format.tree import FILES_LEAF, METADATA_LEAF, LayoutSpec, resolve_layout
+from ...io.localfs import PlainFiles, plain_root
 from ...read.checkpoint import Checkpoint
-from ...read.export import FILES_LEAF, METADATA_LEAF, SAFETENSORS_DTYPES
 from ...read.open import open as open_checkpoint
 from ...write.writer import create, single_process
 from ..sources import Skips, refuse_empty, source_path
@@ -98,6 +98,10 @@ def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 def _fs(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any, str]:
+    """The file system and path of ``url``: a plain local path without fsspec (:class:`.PlainFiles`)."""
+    root = None if storage_options else plain_root(str(url))
+    if root is not None:
+        return PlainFiles(), root
     import fsspec
 
     return fsspec.core.url_to_fs(str(url), **(storage_options or {}))

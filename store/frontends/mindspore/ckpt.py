@@ -41,8 +41,7 @@ import numpy as np
 from reshard.layouts import _protowire as pw
 from reshard.layouts.errors import ChecksumError, DTypeMismatchError, FormatError, ShapeMismatchError
 
-from ...format.dtypes import dtype_name, numpy_dtype
-from ...read.export import SAFETENSORS_DTYPES
+from ...format.dtypes import SAFETENSORS_DTYPES, dtype_name, numpy_dtype
 from ..huggingface.read import read_header
 
 #: MindSpore ``tensor_type`` -> reshard dtype name.
