@@ -24,8 +24,6 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from fsspec.asyn import sync
-
 #: S3's smallest part (every part but the last).
 MIN_PART = 5 << 20
 #: Parts of about this many bytes, fewer when that gives fewer than :data:`CONCURRENCY` parts (never below MIN_PART).
@@ -125,6 +123,8 @@ def upload(fs: Any, path: str, buffers: Sequence[Any], part_bytes: int = PART_BY
     Parts go ``parallel`` (default :func:`concurrency`) at a time, each read from the buffers; on a
     failure the upload is aborted (nothing appears at ``path``) and the error raised.
     """
+    from fsspec.asyn import sync  # here: local saves import no fsspec
+
     return int(sync(fs.loop, _upload, fs, path, byte_views(buffers), part_bytes, parallel or concurrency()))
 
 
