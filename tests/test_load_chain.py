@@ -94,11 +94,23 @@ def _check_chain(reqs: list[chain.Relayed], depths: list[int], what: str, warm: 
 
 @pytest.mark.parametrize("form", ["packed", "directory"])
 def test_rank_load_over_http_waits_at_most_3_round_trips_before_data(cloud: ShapedCloud, form: str) -> None:
+    """The depths come from times: a request that a busy CPU sends late looks as if it waited for an answer
+    that came first, never the other way. So the chain is the best of 3 tries, each from a new connection
+    pool: one try within the bounds shows the requests do not wait on each other."""
+    import fsspec
+
     name = f"chain-{form}-{next(_ids)}"
     _save(str(cloud.root / name), form)
-    for warm in (False, True):  # a fresh connection pool (handshakes included), then the one it kept
-        reqs, depths = _chain_of_load(cloud, f"{cloud.http_url}/{name}", None)
-        _check_chain(reqs, depths, f"http {form}", warm)
+    for attempt in range(3):
+        fsspec.get_filesystem_class("http").clear_instance_cache()  # a new pool: its connections not yet open
+        try:
+            for warm in (False, True):  # a fresh connection pool (handshakes included), then the one it kept
+                reqs, depths = _chain_of_load(cloud, f"{cloud.http_url}/{name}", None)
+                _check_chain(reqs, depths, f"http {form}", warm)
+            return
+        except AssertionError:
+            if attempt == 2:
+                raise
 
 
 @pytest.mark.parametrize("form", ["packed", "directory"])
