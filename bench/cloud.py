@@ -203,6 +203,13 @@ def _row(r: dict[str, Any]) -> str:
             f"{r['floor']:.3f} | {r['ratio']:.2f} | {trips} | {r['requests']} | {ratio} | {r['load']:.1f} |")
 
 
+def w1_config(mib: float) -> dict[str, int]:
+    """W1 of about ``mib`` MiB for the cloud benches: 16 float32 tensors of 936 columns, rows a multiple of 56
+    (so 8 saving ranks and 7 loading ranks divide them)."""
+    cols = 936
+    return {"rows": max(8 * 7, int(mib * (1 << 20) / 16 / cols / 4) // 56 * 56), "cols": cols, "count": 16}
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the rows and print the table."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -215,9 +222,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--s3", action="store_true", help="also through moto's S3 (slow: moto reads whole objects)")
     p.add_argument("--out", help="also write the table to this file")
     args = p.parse_args(argv)
-    cols = 936
-    rows_per = max(8 * 7, int(args.mib * (1 << 20) / 16 / cols / 4) // 56 * 56)
-    cfg = {"rows": rows_per, "cols": cols, "count": 16}
+    cfg = w1_config(args.mib)
+    rows_per, cols = cfg["rows"], cfg["cols"]
     print(f"W1: 16 x {rows_per} x {cols} float32 = {16 * rows_per * cols * 4 / 2**20:.0f} MiB, saved by 8 ranks; "
           f"link {args.rate:g} Mbit/s, {args.conn or args.rate:g} Mbit/s per connection", flush=True)
     print(HEADER, flush=True)

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from bench import data
+from bench.cloud import w1_config
 from bench.harness import Ctx, free_port, run_group
 from bench.tasks_dcp import Save as _DcpLocalSave
 from bench.tasks_reshard import Save as _ReshardSave
@@ -203,9 +204,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-dcp", action="store_true", help="leave DCP out")
     p.add_argument("--out", help="also write the table to this file")
     args = p.parse_args(argv)
-    cols = 936
-    rows_per = max(8 * 7, int(args.mib * (1 << 20) / 16 / cols / 4) // 56 * 56)
-    cfg = {"rows": rows_per, "cols": cols, "count": 16}
+    cfg = w1_config(args.mib)
+    rows_per, cols = cfg["rows"], cfg["cols"]
     print(f"W1: 16 x {rows_per} x {cols} float32 = {16 * rows_per * cols * 4 / 2**20:.0f} MiB, saved by 8 ranks "
           f"to S3 (moto); link {args.rate:g} Mbit/s", flush=True)
     print(HEADER, flush=True)
