@@ -1,9 +1,8 @@
 """The commit's own requests on S3 (issue 38): counted on the wire by the proxy in front of a real moto server.
 
 A packed save of N ranks commits with a lock, one read of each rank's trailer (side by side), one read of the
-records' carrier, the gc check, the references and the root document (side by side), the root's copy of that
-document beside the end of the gc check, the marker and the lock's "done": N + 2 GETs and 6 PUTs whatever N, no
-listing, no HEAD.
+records' carrier, the gc check, the references, the root document and the root's copy of it (side by side),
+the marker and the lock's "done": N + 2 GETs and 6 PUTs whatever N, no listing, no HEAD.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Over a :class:`reshard.store.testing.ShapedCloud` the relay's request log shows the chain of
 requests one rank's ``open`` + ``load`` makes one after another (:mod:`reshard.store.testing.chain`):
 the marker and the root's copy of the metadata go out together, the URL check goes out with the
-data, and no more than 3 round trips (a new connection's handshake included) come before the data.
+data, and no more than 3 round trips (a new connection's handshake included) come before the data,
+over http and S3; a commit over S3 is 7 round trips.
 The copy's rules (used only when its digest is the marker's) are tested on ``memory://`` (remote
 to reshard, no link needed). Skipped, with the reason, where root, namespaces or nginx are missing.
 """
@@ -114,17 +115,48 @@ def test_rank_load_over_http_waits_at_most_3_round_trips_before_data(cloud: Shap
 
 
 @pytest.mark.parametrize("form", ["packed", "directory"])
-def test_rank_load_over_s3_sends_the_marker_with_the_metadata_and_the_check_with_the_data(cloud: ShapedCloud,
-                                                                                         form: str) -> None:
-    """Over S3 the marker goes with the metadata and the check with the data, as over http; the bound of 3
-    round trips before the data is not met yet (s3fs: 5 for the packed form; see docs/cloud.md)."""
+def test_rank_load_over_s3_waits_at_most_3_round_trips_before_data(cloud: ShapedCloud, form: str) -> None:
+    """Over S3 as over http: the marker goes with the metadata, open's warm-ups open the connections the load
+    needs (a fresh s3fs client each open here: ``skip_instance_cache``), the check goes with the data. Best of 3
+    tries, as over http."""
     bucket = cloud.make_bucket()
     opts = cloud.storage_options()
+    assert opts.get("skip_instance_cache"), "each open must start from a new connection pool"
     url = f"s3://{bucket}/{form}"
     _save(url, form, options=opts)
-    _chain_of_load(cloud, url, opts)  # s3fs's pool opens its connections (open warms HTTP(S) ones only)
-    reqs, depths = _chain_of_load(cloud, url, opts)
-    _check_chain(reqs, depths, f"s3 {form}", True, bound=False)
+    for attempt in range(3):
+        try:
+            reqs, depths = _chain_of_load(cloud, url, opts)
+            _check_chain(reqs, depths, f"s3 {form}", False)
+            return
+        except AssertionError:
+            if attempt == 2:
+                raise
+
+
+def test_a_commit_over_s3_is_7_round_trips_one_after_another(cloud: ShapedCloud) -> None:
+    """The lock, the trailers (and the gc check), the metadata with its root copy and the references, the
+    marker, the lock's "done": 7 round trips when every write is one (no ``100 Continue`` wait) and the S3
+    server keeps connections (:mod:`reshard.store.testing.motoserve`). Best of 3 tries, as the loads."""
+    bucket = cloud.make_bucket()
+    opts = cloud.storage_options()
+    lay = {n: Layout.from_dtensor(8, ["Shard(0)"], SHAPE) for n in NAMES}
+    found = []
+    for attempt in range(3):
+        w = rs.create(f"s3://{bucket}/commit", lay, storage_options=opts, overwrite=True, save_id=attempt + 1)
+        for r in range(8):
+            w.write(r, {n: _values(n)[lay[n].region(r)] for n in NAMES})
+        start = time.monotonic()
+        w.commit()
+        end = time.monotonic()
+        time.sleep(0.2)  # the relay's last lines
+        reqs = cloud.requests(start, end)
+        found.append(max(chain.depths(reqs, cloud.rtt)))
+        if found[-1] <= 7:
+            break
+    assert min(found) <= 7, f"{found} round trips one after another: {[(r.method, r.path) for r in reqs]}"
+    assert np.array_equal(rs.open(f"s3://{bucket}/commit", storage_options=opts).read_all()["layer1"]["w"],
+                          _values("layer1.w"))
 
 
 # ------------------------------------------------------ the root's copy of the metadata (memory://)

@@ -2,7 +2,7 @@
 
 A rank's packed object (and a big directory-form shard) goes as one multipart upload whose parts
 are read from the tensors' buffers; a part that fails aborts the upload and leaves nothing at the
-key, the committed step intact; small objects are still one PUT.
+key, the committed step intact; small objects are still one PUT; no write waits for ``100 Continue``.
 """
 
 from __future__ import annotations
@@ -74,6 +74,22 @@ def test_multipart_save_reads_back_bitwise(s3_proxy: S3Proxy, s3_bucket: str, fo
     back = rs.open(url, storage_options=opts).read_all()
     for name, value in state.items():
         assert back[name].tobytes() == value.tobytes(), name
+
+
+def test_no_write_waits_for_100_continue(s3_proxy: S3Proxy, s3_bucket: str) -> None:
+    """botocore asks for ``100 Continue`` before each PUT (a round trip more each, :mod:`.s3client`); a save's
+    writes (parts, small objects, the commit's documents, the marker) go without it, and a plain s3fs client
+    made from the same options still asks (what the test would see had the handler not been installed)."""
+    import s3fs
+
+    url, opts = f"s3://{s3_bucket}/ck", s3_proxy.storage_options()
+    _save(url, opts, _state(2), "packed", 1)
+    writes = [r for r in s3_proxy.log if r.method in ("PUT", "POST")]
+    assert any("partNumber=" in r.query for r in writes) and any(r.path.endswith("commit.json") for r in writes)
+    assert [r.path for r in writes if "expect" in r.headers] == []
+    s3_proxy.reset_counters()
+    s3fs.S3FileSystem(**opts).pipe_file(f"{s3_bucket}/plain", b"x" * 300)
+    assert s3_proxy.records("PUT")[0].headers.get("expect") == "100-continue"
 
 
 def test_small_objects_are_one_put(s3_proxy: S3Proxy, s3_bucket: str) -> None:

@@ -142,18 +142,13 @@ def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None =
                     raise UncommittedCheckpointError(f"{gen.url}: {e.filename or e} went away during the commit "
                                                      "(deleted?): the save cannot commit") from None
         if merged is not None:
-            marker, raw = _commit_merged(root, gen, generation, sid, merged, parquet)
+            marker = _commit_merged(root, gen, generation, sid, merged, parquet)
         else:
-            marker, raw = _commit_manifests(root, gen, generation, sid, ranks, form, manifests, known)
-        # the root's copy of the metadata (HEAD_KEY), which readers take with the marker when its digest is the
-        # marker's: written holding the lock, beside the end of the gc check (gc marks first, then looks for a lock)
+            marker = _commit_manifests(root, gen, generation, sid, ranks, form, manifests, known)
         if collected is None:
             check_not_collected(root, generation)
-            root.write(HEAD_KEY, raw)
         else:
-            head = pool.pool(False).submit(root.write, HEAD_KEY, raw)
             collected.result()
-            head.result()
         if before_marker is not None:
             before_marker()
         root.write_atomic(COMMIT_KEY, marker.to_json())
@@ -170,17 +165,16 @@ def commit(url: str | Storage, *, save_id: Any = None, ranks: list[int] | None =
 
 
 def _commit_merged(root: Storage, gen: Storage, generation: str, sid: str, merged: Merged,
-                   parquet: bool | None) -> tuple[Marker, bytes]:
-    """Write the metadata and references of a merged third-form save; the marker to write, and the root
-    document's bytes."""
+                   parquet: bool | None) -> Marker:
+    """Write the metadata and references of a merged third-form save (and the root's copy); the marker to write."""
     check_reused(root, generation, merged.objects)
     docs, raw = metadata_documents(merged.metas, merged.leaves)
     metas = list(merged.metas.values())
     chunks = references_stream({"zarr.json": raw, **docs}, [m.path for m in metas], [m.grid for m in metas],
                                merged.objects, merged.obj, merged.off, merged.length)
-    # the references and what open reads (O(tensors) bytes, not the O(tensors x ranks) refs) side by side
-    refs_digest, _ = side_by_side(gen, [lambda: gen.write_stream(REFS_KEY, chunks),
-                                        lambda: gen.write(PACKED_ROOT_KEY, raw)])
+    # the references, what open reads (O(tensors) bytes, not the O(tensors x ranks) refs) and its copy side by side
+    refs_digest, *_ = side_by_side(gen, [lambda: gen.write_stream(REFS_KEY, chunks),
+                                         lambda: gen.write(PACKED_ROOT_KEY, raw), head_copy(root, raw)])
     if parquet is None:
         parquet = merged.shards() >= references_parquet.MIN_SHARDS and references_parquet.available()
     parquet_digest = None
@@ -190,12 +184,19 @@ def _commit_merged(root: Storage, gen: Storage, generation: str, sid: str, merge
                   tensors=len(merged.metas), ranks=merged.ranks,
                   metadata_sha256=metadata_digest(raw),
                   form="packed", references_sha256=refs_digest, locations="ranks", **summary_seal(raw),
-                  parquet_sha256=parquet_digest), raw
+                  parquet_sha256=parquet_digest)
 
 
 def side_by_side(gen: Storage, jobs: list[Callable[[], Any]]) -> list[Any]:
     """A few writes of the commit: on an object store side by side (one round trip), locally one by one."""
     return [job() for job in jobs] if gen.local else pool.run_all(jobs, False)
+
+
+def head_copy(root: Storage, raw: bytes) -> Callable[[], None]:
+    """The write of the root's copy of the metadata (:data:`HEAD_KEY`), which readers take with the marker when
+    its digest is the marker's (so a copy of a commit that fails is never used): written holding the lock, beside
+    the generation's own metadata."""
+    return functools.partial(root.write, HEAD_KEY, raw)
 
 
 def write_parquet(gen: Storage, raw: bytes, metas: list[ArrayMeta], merged: Merged) -> str:
@@ -218,9 +219,9 @@ def write_parquet(gen: Storage, raw: bytes, metas: list[ArrayMeta], merged: Merg
 
 def _commit_manifests(root: Storage, gen: Storage, generation: str, sid: str, ranks: list[int] | None,
                       form: str | None, manifests: dict[int, dict[str, Any]] | None,
-                      known: Mapping[str, tuple[dict[str, Any], ArrayMeta]] | None) -> tuple[Marker, bytes]:
-    """Write the metadata (and references) of a save from its ranks' whole manifests; the marker to write,
-    and the root document's bytes."""
+                      known: Mapping[str, tuple[dict[str, Any], ArrayMeta]] | None) -> Marker:
+    """Write the metadata (and references, and the root's copy) of a save from its ranks' whole manifests; the
+    marker to write."""
     if manifests is None:
         try:
             manifests = read_manifests(gen, sid, ranks, form)
@@ -234,27 +235,28 @@ def _commit_manifests(root: Storage, gen: Storage, generation: str, sid: str, ra
         check_reused(root, generation, objects_of(located))
     refs_digest = locations = None
     if located is None:
-        raw = write_metadata(gen, metas, leaves)
+        raw = write_metadata(gen, metas, leaves, root)
     else:
         docs, raw = metadata_documents(metas, leaves)
         refs = build_references({"zarr.json": raw, **docs}, located)
-        # what open reads (O(tensors) bytes, not the O(tensors x ranks) refs) beside the references
+        # what open reads (O(tensors) bytes, not the O(tensors x ranks) refs) and its copy beside the references
         side_by_side(gen, [functools.partial(gen.write, REFS_KEY, refs),
-                           functools.partial(gen.write, PACKED_ROOT_KEY, raw)])
+                           functools.partial(gen.write, PACKED_ROOT_KEY, raw), head_copy(root, raw)])
         refs_digest = metadata_digest(refs)
         # ranks' own writes (trailers) record their shards in their manifests; block writers' may not
         locations = "ranks" if all("tensors_sha256" in m or "groups" in m for m in manifests.values()) else "references"
     return Marker(format_version=FORMAT_VERSION, generation=generation, save_id=sid, time=time.time(),
                   tensors=len(metas), ranks=sorted(manifests), metadata_sha256=metadata_digest(raw),
                   form="directory" if located is None else "packed", references_sha256=refs_digest,
-                  locations=locations, **summary_seal(raw)), raw
+                  locations=locations, **summary_seal(raw))
 
 
-def write_metadata(gen: Storage, metas: dict[str, ArrayMeta], leaves: dict[str, Any]) -> bytes:
-    """Write every array's and group's ``zarr.json`` and the root one (consolidated); return the root's bytes."""
+def write_metadata(gen: Storage, metas: dict[str, ArrayMeta], leaves: dict[str, Any], root: Storage) -> bytes:
+    """Write every array's and group's ``zarr.json``, then the root one (consolidated) and its copy at ``root``
+    (:func:`head_copy`); return the root's bytes."""
     docs, raw = metadata_documents(metas, leaves)
     pool.run_all([functools.partial(gen.write, key, doc) for key, doc in docs.items()], gen.local)
-    gen.write(ROOT_KEY, raw)
+    side_by_side(gen, [functools.partial(gen.write, ROOT_KEY, raw), head_copy(root, raw)])
     return raw
 
 

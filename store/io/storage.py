@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from reshard.layouts.errors import CheckpointExistsError, ReshardError, StorageError
 
-from . import direct, localfs, multipart, retry
+from . import direct, localfs, multipart, retry, s3client
 from .folders import FolderSync
 from .stats import IOStats
 
@@ -96,6 +96,7 @@ class Storage:
 
             self._fs, root = fsspec.core.url_to_fs(self.url, **self.options)
             self.local = isinstance(self._fs, LocalFileSystem)
+            s3client.one_round_trip_writes(self._fs)
         self.root = root.rstrip("/")
         self.retries = retries
         self.durable = bool(durable) and self.local

@@ -139,9 +139,9 @@ def read_marker_and_head(root: Storage) -> tuple[tuple[Marker, bytes] | None, by
     return found, copy
 
 
-#: Connections an HTTP(S) filesystem opens with its first ``open`` (1-byte reads of the marker, beside the
-#: marker's own read, not counted in ``stats``): the requests after it then find them open, not paying a
-#: handshake each (a round trip; more with TLS) in the middle of the load.
+#: Connections a pooling remote filesystem (fsspec's async ones: HTTP(S), S3, GCS...) opens with its first
+#: ``open`` (1-byte reads of the marker, beside the marker's own read, not counted in ``stats``): the requests
+#: after it then find them open, not paying a handshake each (a round trip; more with TLS) in the middle of the load.
 WARM_CONNECTIONS = 8
 _warmed: set[int] = set()
 _warmed_lock = threading.Lock()
@@ -149,7 +149,7 @@ _warmed_lock = threading.Lock()
 
 def _warm_ups(root: Storage) -> list[Callable[[], None]]:
     """The warm-up reads for ``root``'s filesystem: :data:`WARM_CONNECTIONS` the first time, none after."""
-    if not type(root.fs).__name__.startswith("HTTP"):
+    if not getattr(root.fs, "async_impl", False):  # no pool of connections (local, memory://)
         return []
     with _warmed_lock:
         if id(root.fs) in _warmed:

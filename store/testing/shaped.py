@@ -6,7 +6,8 @@ given rate and a round trip per request. It creates a network namespace of its o
 ``tbf`` qdisc (``rate`` each way), and runs inside the namespace, on its ``127.0.0.1``:
 
 * nginx serving :attr:`ShapedCloud.root` (HTTP range reads at page-cache speed),
-* moto's S3 server (S3 semantics: multipart uploads, conditional PUT),
+* moto's S3 server (S3 semantics: multipart uploads, conditional PUT), with connections kept
+  alive as S3 keeps them (:mod:`reshard.store.testing.motoserve`),
 * the latency relay (:mod:`reshard.store.testing.latency`) in front of both, listening on the
   namespace's end of the veth: every request waits ``rtt`` before it reaches its server, a new
   connection one ``rtt`` more (the TCP handshake).
@@ -20,7 +21,8 @@ called at exit) kills the servers by pid and deletes the veth and the namespace.
 outright (no atexit) takes its servers with it (``PR_SET_PDEATHSIG``); the next cloud started on
 the machine deletes the namespace it left (``reshard-<pid>-<n>`` whose pid is gone).
 
-Needs root, ``ip`` and ``tc`` (iproute2) and ``nginx``; :func:`unavailable` says what is missing.
+Needs root, ``ip`` and ``tc`` (iproute2), ``nginx`` and ``cheroot`` (``reshard[testing]``);
+:func:`unavailable` says what is missing.
 
 Examples
 --------
@@ -35,6 +37,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import http.client
+import importlib.util
 import itertools
 import os
 import shutil
@@ -48,7 +51,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from . import chain, latency
+from . import chain, latency, motoserve
 from .service import REGION, LocalService, s3_request, s3_storage_options
 
 __all__ = ["ShapedCloud", "ShapedCloudUnavailable", "unavailable"]
@@ -72,6 +75,8 @@ def unavailable() -> str | None:
         if _which(tool) is None:
             hint = " (apt-get install nginx-light)" if tool == "nginx" else " (iproute2)"
             return f"the shaped cloud needs `{tool}` on PATH{hint}"
+    if importlib.util.find_spec("cheroot") is None:
+        return "the shaped cloud's S3 server needs cheroot (pip install 'reshard[testing]')"
     return None
 
 
@@ -241,7 +246,7 @@ class ShapedCloud(LocalService):
         conf = tmp / "nginx.conf"
         conf.write_text(_nginx_conf(tmp, self.root))
         self._spawn("nginx", _which("nginx") or "nginx", "-c", str(conf), "-p", str(tmp), "-e", str(tmp / "error.log"))
-        self._spawn("moto", sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(_MOTO_PORT))
+        self._spawn("moto", sys.executable, motoserve.__file__, "-H", "127.0.0.1", "-p", str(_MOTO_PORT))
         ready = tmp / "latency.ready"
         self._spawn("latency", sys.executable, latency.__file__, "--rtt", repr(self.rtt),
                     "--route", f"{self.address}:{_HTTP_PORT}=127.0.0.1:{_NGINX_PORT}",

@@ -1,0 +1,61 @@
+"""moto's S3, served with HTTP/1.1 keep-alive: the S3 server of the shaped test cloud.
+
+Run as a script (``python motoserve.py --port 5000``), normally inside the network namespace of
+:class:`reshard.store.testing.ShapedCloud`. ``python -m moto.server`` serves moto through
+werkzeug's development server, which answers every request with ``Connection: close``
+(werkzeug 3.1 ``serving.py``: "Always close the connection"). Over the shaped link every S3
+request then paid a new connection's handshake, a round trip that S3 itself, which keeps
+connections alive, does not charge: a commit of 7 dependent requests took 14 round trips.
+
+Here the same moto application (moto's ``DomainDispatcherApplication``, so the same S3
+semantics) runs in cheroot's threaded WSGI server, which keeps connections alive and answers
+``Expect: 100-continue``. The script imports nothing from reshard, so it runs from its file
+path in any interpreter with ``moto[server]`` and ``cheroot``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from typing import Any
+
+
+def serve(host: str, port: int, threads: int = 64) -> Any:
+    """A cheroot server of moto's application on ``host:port``, not yet started.
+
+    Parameters
+    ----------
+    host, port : str, int
+        Where to listen.
+    threads : int
+        Worker threads: one for each connection kept open, so at least as many as clients keep.
+    """
+    from cheroot import wsgi
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
+
+    app = DomainDispatcherApplication(create_backend_app)
+    server = wsgi.Server((host, port), app, numthreads=threads, request_queue_size=256, timeout=60)
+    server.keep_alive_conn_limit = 1024  # cheroot closes idle connections past 10 by default; S3 keeps them
+    return server
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serve until SIGTERM or SIGINT."""
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("-H", "--host", default="127.0.0.1")
+    p.add_argument("-p", "--port", type=int, required=True)
+    p.add_argument("--threads", type=int, default=64)
+    args = p.parse_args(argv)
+    server = serve(args.host, args.port, args.threads)
+
+    def stop(signum: int, frame: Any) -> None:
+        sys.exit(0)  # cheroot's safe_start stops the server on SystemExit
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    server.safe_start()
+
+
+if __name__ == "__main__":
+    main()
