@@ -8,6 +8,11 @@ tensors, ``Shard(0)`` over 8 ranks) in both storage forms into the folder nginx 
 * ``load rank 3 of 7``: ``open(url).load(Shard(0) over 7, rank=3)`` (open included);
 * ``read_all``: ``open(url).read_all()``.
 
+TensorStore rows are reshard's ``engine="tensorstore"`` on the directory form (TensorStore's ``http`` and
+``s3`` kvstores); DCP rows (``--dcp``) are ``dcp.load`` of the same W1 saved by 8 gloo ranks, through
+``FsspecReader`` over http and, with ``--s3``, from the bucket. S3 reads keep s3fs's instance cache (one
+client and pool, as a user has them).
+
 Each row's floor is ``bytes needed / goodput + RTTs``: the goodput measured on the same link by one
 plain download (``cloud.get``), the RTTs the ones no client can avoid (a new connection's handshake,
 open's marker read, then the data: 3 round trips). Results go to stdout as a markdown table
@@ -55,14 +60,14 @@ def _dcp_save(path: str, cfg: dict[str, Any]) -> str | None:
     return m.error or None
 
 
-def _dcp_read_all(url: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """DCP's whole read over the link: ``dcp.load(no_dist=True)`` through ``FsspecReader`` (fsspec's http)."""
+def _dcp_read_all(url: str, cfg: dict[str, Any], options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """DCP's whole read over the link: ``dcp.load(no_dist=True)`` through ``FsspecReader`` (fsspec's http or s3fs)."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
     state = {s.name: torch.empty(s.shape, dtype=torch.float32) for s in data.tensors("w1", cfg)}
-    dcp.load(state, storage_reader=FsspecReader(url), no_dist=True)
+    dcp.load(state, storage_reader=FsspecReader(url, **(options or {})), no_dist=True)
     s = data.tensors("w1", cfg)[5]
     assert np.array_equal(state[s.name].numpy()[:3], data.fill(s.index, (slice(0, 3), slice(0, s.shape[1])), s.dtype))
     return {}
@@ -139,7 +144,12 @@ def measure(rate: float, rtt_ms: float, cfg: dict[str, Any], reps: int, s3: bool
             urls[("http", form)] = (f"{cloud.http_url}/{form}", None)
         if s3:
             bucket = cloud.make_bucket()
-            opts = cloud.storage_options()
+            # s3fs's instance cache on, as a user has it: one client (made once, 0.15-0.3 s of botocore) and its
+            # pool for every open, as http's rows keep fsspec's one HTTP filesystem
+            opts = cloud.storage_options(skip_instance_cache=False)
+            # TensorStore's s3 kvstore signs with the environment's key (it takes none inline); moto wants a signature
+            os.environ.setdefault("AWS_ACCESS_KEY_ID", opts["key"])
+            os.environ.setdefault("AWS_SECRET_ACCESS_KEY", opts["secret"])
             for form in ("packed", "directory"):
                 _save(f"s3://{bucket}/{form}", cfg, form, opts)
                 urls[("s3", form)] = (f"s3://{bucket}/{form}", opts)
@@ -164,16 +174,22 @@ def measure(rate: float, rtt_ms: float, cfg: dict[str, Any], reps: int, s3: bool
                 return {}
 
             cases = [("reshard", "load rank 3 of 7", load, need_rank), ("reshard", "read_all", read_all, total)]
-            if form == "directory" and scheme == "http":
+            if form == "directory":
                 cases += [("TensorStore", "load rank 3 of 7", ts_load, need_rank),
                           ("TensorStore", "read_all", ts_read_all, total)]
             for system, what, fn, need in cases:
                 rows.append(_measure(fn, reps, True, need, bw, rtt_ms, system=system, scheme=scheme, form=form,
                                      what=what, cloud=cloud))
         if dcp_error is None:
-            url = f"{cloud.http_url}/dcp"
-            rows.append(_measure(lambda: _dcp_read_all(url, cfg), 1, False, total, bw, rtt_ms, system="DCP",
-                                 scheme="http", form="DCP (8 files)", what="read_all"))
+            dcp_urls = [("http", f"{cloud.http_url}/dcp", None)]
+            if s3:  # the same files, uploaded to the bucket
+                import s3fs
+
+                s3fs.S3FileSystem(**opts).put(str(cloud.root / "dcp"), f"{bucket}/dcp", recursive=True)
+                dcp_urls.append(("s3", f"s3://{bucket}/dcp", opts))
+            for scheme, url, opts_ in dcp_urls:
+                rows.append(_measure(lambda url=url, o=opts_: _dcp_read_all(url, cfg, o), 1, False, total, bw, rtt_ms,
+                                     system="DCP", scheme=scheme, form="DCP (8 files)", what="read_all"))
         else:
             print(f"DCP rows skipped: {dcp_error[-400:]}", flush=True)
     return rows

@@ -95,7 +95,7 @@ def _raw_put(opts: dict[str, Any], bucket: str, blobs: list[bytes], chunksize: i
 def _server_cpu(cloud: Any) -> float:
     """CPU seconds moto's server process has used so far (``/proc/<pid>/stat``: user + system)."""
     for proc in cloud._procs:
-        if any("moto.server" in str(a) for a in proc.args):
+        if any("motoserve" in str(a) for a in proc.args):
             with open(f"/proc/{proc.pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
             return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -39,6 +39,7 @@ OPTIONAL = {
     "moto": ("testing", "moto"),
     "boto3": ("testing", "boto3"),
     "botocore": ("testing", "botocore"),
+    "cheroot": ("testing", "cheroot"),
     "pyarrow": ("parquet", "pyarrow"),
     "pandas": ("parquet", "pandas"),
 }

@@ -299,8 +299,11 @@ def test_packed_on_s3_rank_processes_plain_zarr_and_gets(s3_proxy, s3_bucket):
     target = {"model.w": Layout.from_dtensor((4,), ["S(0)"], (64, 24))}
     got = ckpt.load(target, 2)["model"]["w"]
     np.testing.assert_array_equal(got, full["model.w"][32:48])
-    # marker + references, one range of the one source object touched, the after-read marker check
-    assert len(s3_proxy.records(method="GET")) <= 2 + 2 * 1
+    # marker + references, one range of the one source object touched, the after-read marker check; besides them
+    # the first open's 1-byte reads of the marker that open the connections the load then uses (not data)
+    gets = s3_proxy.records(method="GET")
+    warm = [r for r in gets if r.path.endswith(".reshard/commit.json") and r.range == "bytes=0-0"]
+    assert len(warm) <= 8 and len(gets) - len(warm) <= 2 + 2 * 1
     group = plain_zarr_group(url, opts)
     np.testing.assert_array_equal(group["emb"][...], full["emb"])
     same = zarr.open_group(ckpt.zarr_store(), mode="r")  # the recipe, from the checkpoint

@@ -301,8 +301,9 @@ def test_docs_recipe(cloud: ShapedCloud) -> None:
 
 
 @needs_cloud
-def test_bench_cloud_runs(tmp_path) -> None:
-    """``python -m bench.cloud`` at a tiny size: every reshard and TensorStore row is there, with its floor."""
+def test_bench_cloud_runs(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m bench.cloud --s3`` at a tiny size: every reshard and TensorStore row is there, over http and S3,
+    with its floor."""
     import sys
     from pathlib import Path
 
@@ -313,9 +314,12 @@ def test_bench_cloud_runs(tmp_path) -> None:
     from bench import cloud as bench_cloud
 
     out = tmp_path / "cloud.md"
-    bench_cloud.main(["--rate", "200", "--rtt", "5", "--mib", "1", "--reps", "1", "--out", str(out)])
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):  # the bench sets them for TensorStore's s3 kvstore
+        monkeypatch.setenv(name, "testing")
+    bench_cloud.main(["--rate", "200", "--rtt", "5", "--mib", "1", "--reps", "1", "--s3", "--out", str(out)])
     rows = [line for line in out.read_text().splitlines() if line.startswith("| 5 ms")]
-    assert len(rows) == 6, rows  # reshard: 2 forms x 2 reads; TensorStore: directory x 2 reads
+    assert len(rows) == 12, rows  # per scheme, reshard: 2 forms x 2 reads; TensorStore: directory x 2 reads
+    assert sum("| s3 |" in line for line in rows) == 6, rows
     for line in rows:
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert float(cells[5]) > 0 and float(cells[6]) > 0.015  # time, and a floor of at least 3 RTTs

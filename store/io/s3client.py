@@ -34,7 +34,11 @@ def one_round_trip_writes(fs: Any) -> None:
     """
     if not multipart.supported(fs):
         return
-    fs.s3.meta.events.register("before-send.s3", _drop_expect, unique_id=_HANDLER_ID)  # s3fs makes its client
-    session = getattr(fs, "session", None)  # now if not yet (no request is sent)
+    try:
+        client = fs.s3  # s3fs makes its client now if not yet (no request is sent)
+    except Exception:  # e.g. an asynchronous=True filesystem, or no region: the first request says what is wrong
+        return
+    client.meta.events.register("before-send.s3", _drop_expect, unique_id=_HANDLER_ID)
+    session = getattr(fs, "session", None)
     if session is not None:
         session.register("before-send.s3", _drop_expect, unique_id=_HANDLER_ID)

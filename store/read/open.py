@@ -143,18 +143,20 @@ def read_marker_and_head(root: Storage) -> tuple[tuple[Marker, bytes] | None, by
 #: ``open`` (1-byte reads of the marker, beside the marker's own read, not counted in ``stats``): the requests
 #: after it then find them open, not paying a handshake each (a round trip; more with TLS) in the middle of the load.
 WARM_CONNECTIONS = 8
-_warmed: set[int] = set()
 _warmed_lock = threading.Lock()
 
 
 def _warm_ups(root: Storage) -> list[Callable[[], None]]:
-    """The warm-up reads for ``root``'s filesystem: :data:`WARM_CONNECTIONS` the first time, none after."""
-    if not getattr(root.fs, "async_impl", False):  # no pool of connections (local, memory://)
+    """The warm-up reads for ``root``'s filesystem: :data:`WARM_CONNECTIONS` the first time, none after (the
+    filesystem object is marked: its pool keeps the connections; a new object, even of equal options, has a
+    new pool)."""
+    fs = root.fs
+    if not getattr(fs, "async_impl", False):  # no pool of connections (local, memory://)
         return []
     with _warmed_lock:
-        if id(root.fs) in _warmed:
+        if getattr(fs, "_reshard_warmed", False):
             return []
-        _warmed.add(id(root.fs))
+        fs._reshard_warmed = True
     path = root.path(COMMIT_KEY)
 
     def warm() -> None:

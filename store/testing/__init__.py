@@ -3,6 +3,7 @@
 ``s3server.LocalS3Server``: an in-process moto server on loopback.
 ``s3proxy.S3Proxy``: a counting, fault-injecting proxy in front of any S3 endpoint.
 ``shaped.ShapedCloud``: nginx and an S3 server in a network namespace behind a shaped link (rate, RTT).
+``motoserve``: moto's S3 served with kept-alive connections (the shaped cloud's S3 server, run as a script).
 ``service``: what both share (``LocalService``, ``REGION``, ``s3_storage_options``).
 Nothing here is imported by the runtime package; moto is imported lazily.
 """
