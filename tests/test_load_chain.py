@@ -6,7 +6,7 @@ the marker and the root's copy of the metadata go out together, the URL check go
 data, and no more than 3 round trips (a new connection's handshake included) come before the data,
 over http and S3; a commit over S3 is 7 round trips.
 The copy's rules (used only when its digest is the marker's) are tested on ``memory://`` (remote
-to reshard, no link needed). Skipped, with the reason, where root, namespaces or nginx are missing.
+to reshard, no link needed). Skipped, with the reason, where root, namespaces, nginx or cheroot are missing.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def _chain_of_load(cloud: ShapedCloud, url: str, options: dict | None) -> tuple[
     return reqs, chain.depths(reqs, cloud.rtt)
 
 
-def _check_chain(reqs: list[chain.Relayed], depths: list[int], what: str, warm: bool, bound: bool = True) -> None:
+def _check_chain(reqs: list[chain.Relayed], depths: list[int], what: str, warm: bool) -> None:
     by = {r.path.rsplit("/", 2)[-2] + "/" + r.path.rsplit("/", 1)[-1]: d for r, d in zip(reqs, depths, strict=True)}
     marker = [d for r, d in zip(reqs, depths, strict=True)
               if r.path.endswith(COMMIT_KEY) and r.range != "bytes=0-0"]  # not open's connection warm-ups
@@ -87,9 +87,9 @@ def _check_chain(reqs: list[chain.Relayed], depths: list[int], what: str, warm: 
     assert head and data and len(marker) == 2, (what, by)
     assert head[0] == marker[0], f"{what}: the marker and the metadata went out one after the other: {by}"
     first_data = min(data)
-    assert first_data - 1 <= 3 or not bound, f"{what}: {first_data - 1} round trips before the data: {by}"
+    assert first_data - 1 <= 3, f"{what}: {first_data - 1} round trips before the data: {by}"
     assert marker[1] <= max(data), f"{what}: the URL check waited for the data: {by}"
-    if warm and bound:  # connections kept from the first load: no handshake, and the data is the 4th round trip at most
+    if warm:  # connections kept from the first load: no handshake, and the data is the 4th round trip at most
         assert max(depths) <= 4, f"{what}: {max(depths)} round trips in all: {by}"
 
 

@@ -128,6 +128,22 @@ def test_s3_through_the_relay(cloud: ShapedCloud) -> None:
 
 
 @needs_cloud
+def test_s3_keeps_connections_alive(cloud: ShapedCloud) -> None:
+    """moto behind the relay keeps connections as S3 does (``motoserve``; werkzeug's server closed each one): a
+    client's requests one after another go over one connection (no handshake each)."""
+    s3fs = pytest.importorskip("s3fs")
+    bucket = cloud.make_bucket()
+    fs = s3fs.S3FileSystem(**cloud.storage_options())
+    fs.pipe_file(f"{bucket}/k", b"0123456789")
+    start = time.monotonic()
+    for i in range(4):
+        assert fs.cat_file(f"{bucket}/k", start=i, end=i + 2) == b"0123456789"[i:i + 2]
+    time.sleep(0.2)  # the relay's last lines
+    reqs = [r for r in cloud.requests(start) if r.method == "GET"]
+    assert len(reqs) == 4 and len({r.conn for r in reqs}) == 1, [(r.conn, r.path) for r in reqs]
+
+
+@needs_cloud
 def test_teardown_leaves_nothing_behind() -> None:
     pytest.importorskip("moto.server")
     cloud = ShapedCloud(rate_mbit=100, rtt=0.001)
