@@ -261,11 +261,15 @@ class Runner:
                         p.stop()
 
     def _wire(self, m: Measurement, proxy: Any) -> None:
-        """Per-run GET requests and bytes the proxy saw (warmup runs included in the count)."""
+        """Per-run GET requests and bytes the proxy saw (warmup runs included in the count), less the first
+        open's 1-byte reads of the marker that open the connection pool (``wire_warm_ups``; reshard's own
+        counters leave them out too)."""
         runs = max(1, len(m.times) + self.opts.warmup)
         if m.per_rank:
             m.extra["needed"] = m.per_rank[0].get("needed", 0)
-        gets = proxy.records("GET")
+        every = proxy.records("GET")
+        gets = [r for r in every if not (r.path.endswith(".reshard/commit.json") and r.range == "bytes=0-0")]
+        m.extra["wire_warm_ups"] = len(every) - len(gets)
         m.extra["wire_requests"] = len(gets) / runs
         m.extra["wire_bytes"] = sum(r.bytes_sent for r in gets) / runs
 
