@@ -147,9 +147,7 @@ def measure(rate: float, rtt_ms: float, cfg: dict[str, Any], reps: int, s3: bool
             # s3fs's instance cache on, as a user has it: one client (made once, 0.15-0.3 s of botocore) and its
             # pool for every open, as http's rows keep fsspec's one HTTP filesystem
             opts = cloud.storage_options(skip_instance_cache=False)
-            # TensorStore's s3 kvstore signs with the environment's key (it takes none inline); moto wants a signature
-            os.environ.setdefault("AWS_ACCESS_KEY_ID", opts["key"])
-            os.environ.setdefault("AWS_SECRET_ACCESS_KEY", opts["secret"])
+            tensorstore_s3_key(opts)
             for form in ("packed", "directory"):
                 _save(f"s3://{bucket}/{form}", cfg, form, opts)
                 urls[("s3", form)] = (f"s3://{bucket}/{form}", opts)
@@ -217,6 +215,13 @@ def _row(r: dict[str, Any]) -> str:
     trips = f"{r['trips'][0]} / {r['trips'][1]}" if r.get("trips") else ""
     return (f"| {r['rtt_ms']:g} ms | {r['system']} | {r['scheme']} | {r['form']} | {r['what']} | {r['time']:.3f} | "
             f"{r['floor']:.3f} | {r['ratio']:.2f} | {trips} | {r['requests']} | {ratio} | {r['load']:.1f} |")
+
+
+def tensorstore_s3_key(opts: dict[str, Any]) -> None:
+    """Put the test key of ``opts`` in the environment (unless one is there): TensorStore's s3 kvstore signs with
+    the environment's key, it takes none inline, and moto wants a signature. Rank processes inherit it."""
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", opts["key"])
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", opts["secret"])
 
 
 def w1_config(mib: float) -> dict[str, int]:

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from bench import data
-from bench.cloud import w1_config
+from bench.cloud import tensorstore_s3_key, w1_config
 from bench.harness import Ctx, free_port, run_group
 from bench.tasks_dcp import Save as _DcpLocalSave
 from bench.tasks_reshard import Save as _ReshardSave
@@ -160,9 +160,7 @@ def measure(rate: float, rtt_ms: float, cfg: dict[str, Any], reps: int, conn: fl
         else:
             rows.append(_row(rtt_ms, "reshard", "save (8 ranks + commit)", statistics.median(m.times), floor, raw,
                              total, rss=m.peak_rss - m.base_rss, moto=(_server_cpu(cloud) - cpu) / (reps + 1)))
-        # TensorStore's s3 kvstore signs with the environment's key (it takes none inline); the ranks inherit it
-        os.environ.setdefault("AWS_ACCESS_KEY_ID", opts["key"])
-        os.environ.setdefault("AWS_SECRET_ACCESS_KEY", opts["secret"])
+        tensorstore_s3_key(opts)
         ts_args = {**args, "url": f"s3://{bucket}/ts", "engine": "tensorstore"}
         m = run_group("bench.cloud_save:ReshardS3Save", 8, ts_args, reps=reps, warmup=1, timeout_s=900)
         if m.error:

@@ -264,11 +264,13 @@ class Runner:
         """Per-run GET requests and bytes the proxy saw (warmup runs included in the count), less the first
         open's 1-byte reads of the marker that open the connection pool (``wire_warm_ups``; reshard's own
         counters leave them out too)."""
+        from reshard.store.read.open import is_warm_up
+
         runs = max(1, len(m.times) + self.opts.warmup)
         if m.per_rank:
             m.extra["needed"] = m.per_rank[0].get("needed", 0)
         every = proxy.records("GET")
-        gets = [r for r in every if not (r.path.endswith(".reshard/commit.json") and r.range == "bytes=0-0")]
+        gets = [r for r in every if not is_warm_up(r.path, r.range)]
         m.extra["wire_warm_ups"] = len(every) - len(gets)
         m.extra["wire_requests"] = len(gets) / runs
         m.extra["wire_bytes"] = sum(r.bytes_sent for r in gets) / runs

@@ -23,6 +23,7 @@ import reshard.store as rs
 from reshard.layouts import Layout
 from reshard.store.format.encode import crc32c
 from reshard.store.format.meta import COMMIT_KEY, HEAD_KEY, MISSING
+from reshard.store.read.open import is_warm_up
 from reshard.store.testing import ShapedCloud, chain
 from reshard.store.testing import shaped as shaped_mod
 
@@ -81,7 +82,7 @@ def _chain_of_load(cloud: ShapedCloud, url: str, options: dict | None) -> tuple[
 def _check_chain(reqs: list[chain.Relayed], depths: list[int], what: str, warm: bool) -> None:
     by = {r.path.rsplit("/", 2)[-2] + "/" + r.path.rsplit("/", 1)[-1]: d for r, d in zip(reqs, depths, strict=True)}
     marker = [d for r, d in zip(reqs, depths, strict=True)
-              if r.path.endswith(COMMIT_KEY) and r.range != "bytes=0-0"]  # not open's connection warm-ups
+              if r.path.endswith(COMMIT_KEY) and not is_warm_up(r.path, r.range)]
     head = [d for r, d in zip(reqs, depths, strict=True) if r.path.endswith(HEAD_KEY)]
     data = [d for r, d in zip(reqs, depths, strict=True) if _is_data(r)]
     assert head and data and len(marker) == 2, (what, by)

@@ -166,6 +166,12 @@ def _warm_ups(root: Storage) -> list[Callable[[], None]]:
     return [warm] * WARM_CONNECTIONS
 
 
+def is_warm_up(path: str, range_header: str | None) -> bool:
+    """Whether a request seen on the wire (its path and ``Range`` header) is one of :func:`_warm_ups`' reads
+    (tests and benches that count requests tell them from the load's own)."""
+    return path.endswith(COMMIT_KEY) and range_header == "bytes=0-0"
+
+
 def _file_not_checkpoint(url: str) -> str:
     hint = ("; 'reshard import safetensors FILE DST' converts it"
             if str(url).endswith((".safetensors", ".json")) else "")
