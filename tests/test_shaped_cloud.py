@@ -4,6 +4,7 @@ leaves nothing behind. Skipped, with the reason, where namespaces, root or nginx
 
 from __future__ import annotations
 
+import functools
 import http.client
 import itertools
 import os
@@ -141,6 +142,28 @@ def test_s3_keeps_connections_alive(cloud: ShapedCloud) -> None:
     time.sleep(0.2)  # the relay's last lines
     reqs = [r for r in cloud.requests(start) if r.method == "GET"]
     assert len(reqs) == 4 and len({r.conn for r in reqs}) == 1, [(r.conn, r.path) for r in reqs]
+
+
+@needs_cloud
+def test_s3_reads_in_flight_are_not_capped_at_botocores_10_connections(cloud: ShapedCloud) -> None:
+    """The remote I/O threads' reads go out side by side: botocore's default pool of 10 connections made the
+    rest wait a round trip (``s3client.with_connections``); a client told 4 keeps 4."""
+    from reshard.store.io import pool
+    from reshard.store.io.storage import Storage
+
+    bucket = cloud.make_bucket()
+    n = pool.io_threads(local=False)
+    assert n > 10
+    told = cloud.storage_options(config_kwargs={"max_pool_connections": 4})
+    for options, enough in ((cloud.storage_options(), lambda c: c > 10), (told, lambda c: c == 4)):
+        storage = Storage(f"s3://{bucket}/conns", options)
+        storage.write("k", b"0123456789")
+        start = time.monotonic()
+        got = pool.run_all([functools.partial(storage.read, "k")] * n, local=False)
+        assert got == [b"0123456789"] * n
+        time.sleep(0.2)  # the relay's last lines
+        conns = {r.conn for r in cloud.requests(start) if r.method == "GET"}
+        assert enough(len(conns)), (len(conns), options)
 
 
 @needs_cloud

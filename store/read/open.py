@@ -10,7 +10,6 @@ ranks' manifests on request (``allow_uncommitted=True``), for forensics.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import threading
@@ -157,13 +156,7 @@ def _warm_ups(root: Storage) -> list[Callable[[], None]]:
         if getattr(fs, "_reshard_warmed", False):
             return []
         fs._reshard_warmed = True
-    path = root.path(COMMIT_KEY)
-
-    def warm() -> None:
-        with contextlib.suppress(Exception):  # a warm-up only: whatever it meets is the marker read's to report
-            root.fs.cat_file(path, start=0, end=1)
-
-    return [warm] * WARM_CONNECTIONS
+    return [functools.partial(root.warm_up, COMMIT_KEY)] * WARM_CONNECTIONS
 
 
 def is_warm_up(path: str, range_header: str | None) -> bool:

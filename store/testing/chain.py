@@ -27,6 +27,7 @@ class Relayed:
     #: The listening port it came in on (the http or the S3 route).
     port: int
     method: str
+    #: Its path, without the query string.
     path: str
     #: Its ``Range`` header (``-`` when none), e.g. ``bytes=-65536``.
     range: str
@@ -51,7 +52,8 @@ def read_log(path: str | Path, since: float = 0.0, until: float = float("inf")) 
         if kind == "open":
             opened[conn] = (t, int(detail))
         elif kind == "req":
-            method, path_, rng = [*detail.split(" ", 2), "", ""][:3]
+            method, target, rng = [*detail.split(" ", 2), "", ""][:3]
+            path_ = target.split("?", 1)[0]  # a presigned S3 GET carries its signature in the query
             pending.setdefault(conn, []).append(len(rows))
             rows.append((conn, method, path_, rng or "-", t))
             answered.append(None)

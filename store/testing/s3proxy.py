@@ -41,6 +41,15 @@ _HOP_BY_HOP = frozenset(
     }
 )
 
+#: Query parameters of a presigned URL's signature, new with every signing (a retry is the same request).
+_SIGNING = ("X-Amz-", "Signature=", "AWSAccessKeyId=", "Expires=")
+
+
+def _unsigned(query: str) -> str:
+    """``query`` without the parameters of a presigned signature."""
+    return "&".join(p for p in query.split("&") if not p.startswith(_SIGNING))
+
+
 @dataclass
 class ProxyRecord:
     """One request seen by :class:`S3Proxy`.
@@ -377,7 +386,7 @@ class S3Proxy(LocalService):
                 if (meths is None or rec.method in meths) and regex.search(rec.path) \
                         and (asked is None or asked.match(rec.query)):
                     return "deny"
-            key = (rec.method, rec.path, rec.query, rec.range)
+            key = (rec.method, rec.path, _unsigned(rec.query), rec.range)
             streak = self._streaks.pop(key, 0)
             if self.max_faults is not None and self.faults >= self.max_faults:
                 return None
