@@ -8,6 +8,11 @@ tensors, ``Shard(0)`` over 8 ranks) in both storage forms into the folder nginx 
 * ``load rank 3 of 7``: ``open(url).load(Shard(0) over 7, rank=3)`` (open included);
 * ``read_all``: ``open(url).read_all()``.
 
+After each reshard row, ``same GETs, one burst`` sends the GETs the relay saw in that row's last call again,
+all at once, from one aiohttp session of 64 kept connections (S3 ones presigned beforehand): no dependent round
+trip, no client work but the requests. Not a floor (it skips open's round trips), but what the server and the
+link give those very requests.
+
 TensorStore rows are reshard's ``engine="tensorstore"`` on the directory form (TensorStore's ``http`` and
 ``s3`` kvstores); DCP rows (``--dcp``) are ``dcp.load`` of the same W1 saved by 8 gloo ranks, through
 ``FsspecReader`` over http and, with ``--s3``, from the bucket. S3 reads keep s3fs's instance cache (one
@@ -104,6 +109,60 @@ def _time(fn: Any, reps: int, warmup: bool = True) -> tuple[float, Any, tuple[fl
     return statistics.median(times), out, span
 
 
+def _replay(cloud: Any, span: tuple[float, float]) -> _Burst:
+    """A call that sends the GETs the relay saw in ``span`` again, all at once, on one aiohttp session of 64
+    connections (S3 ones presigned beforehand): no dependent round trips, no client work but the requests, so
+    its time is what the server and the link give those requests."""
+    import urllib.parse
+
+    time.sleep(0.05)  # the relay's last lines
+    reqs = [r for r in cloud.requests(*span) if r.method == "GET"]
+    s3_port = int(cloud.s3_endpoint.rsplit(":", 1)[1])
+    client = cloud.client()
+
+    def url(r: Any) -> str:
+        if r.port != s3_port:
+            return f"{cloud.http_url}{r.path}"
+        bucket, key = urllib.parse.unquote(r.path).lstrip("/").split("/", 1)
+        return str(client.generate_presigned_url("get_object", Params={"Bucket": bucket, "Key": key},
+                                                 ExpiresIn=3600))
+
+    return _Burst([(url(r), {} if r.range == "-" else {"Range": r.range}) for r in reqs])
+
+
+class _Burst:
+    """Calls that send ``gets`` (URL, headers) all at once on one kept session; :meth:`close` ends it."""
+
+    def __init__(self, gets: list[tuple[str, dict[str, str]]]) -> None:
+        import asyncio
+
+        self.gets, self.loop = gets, asyncio.new_event_loop()
+        self.session: Any = None
+
+    def __call__(self) -> dict[str, Any]:
+        return {"requests": len(self.gets), "bytes_fetched": self.loop.run_until_complete(self._burst())}
+
+    async def _burst(self) -> int:
+        import asyncio
+
+        import aiohttp
+
+        if self.session is None:
+            self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64))
+
+        async def one(u: str, headers: dict[str, str]) -> int:
+            async with self.session.get(u, headers=headers) as answer:
+                answer.raise_for_status()
+                return len(await answer.read())
+
+        return sum(await asyncio.gather(*(one(u, h) for u, h in self.gets)))
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.loop.run_until_complete(self.session.close())
+        self.loop.close()
+
+
 def round_trips(cloud: Any, span: tuple[float, float], data: Any) -> tuple[int, int]:
     """Round trips one after another in ``span`` (handshakes included), and how many came before the
     first level holding a data request (``data(relayed)``), from the relay's log."""
@@ -178,6 +237,11 @@ def measure(rate: float, rtt_ms: float, cfg: dict[str, Any], reps: int, s3: bool
             for system, what, fn, need in cases:
                 rows.append(_measure(fn, reps, True, need, bw, rtt_ms, system=system, scheme=scheme, form=form,
                                      what=what, cloud=cloud))
+                if system == "reshard":  # the server's and the link's own speed for those requests
+                    burst = _replay(cloud, rows[-1]["span"])
+                    rows.append(_measure(burst, reps, True, need, bw, rtt_ms, system="same GETs, one burst",
+                                         scheme=scheme, form=form, what=what))
+                    burst.close()
         if dcp_error is None:
             dcp_urls = [("http", f"{cloud.http_url}/dcp", None)]
             if s3:  # the same files, uploaded to the bucket
@@ -199,7 +263,7 @@ def _measure(fn: Any, reps: int, warmup: bool, need: int, bw: float, rtt_ms: flo
     t, stats, span = _time(fn, reps, warmup)
     trips = round_trips(cloud, span, is_data) if cloud is not None else None
     floor = need / bw + 3 * rtt_ms / 1000
-    out = {**row, "rtt_ms": rtt_ms, "time": t, "floor": floor, "ratio": t / floor, "trips": trips,
+    out = {**row, "rtt_ms": rtt_ms, "time": t, "floor": floor, "ratio": t / floor, "trips": trips, "span": span,
            "requests": (stats or {}).get("requests", ""), "bytes": (stats or {}).get("bytes_fetched"), "need": need,
            "goodput_mbit": bw * 8 / 1e6, "load": (load1 + os.getloadavg()[0]) / 2}
     print(_row(out), flush=True)

@@ -41,7 +41,7 @@ def test_per_request_options_keep_s3fs_gets(s3_proxy: S3Proxy, s3_bucket: str) -
     plain = Storage(f"s3://{s3_bucket}/payer", s3_proxy.storage_options())
     plain.write("k", b"abc")
     payer = Storage(f"s3://{s3_bucket}/payer", s3_proxy.storage_options(requester_pays=True))
-    assert plain._gets is not None and payer._gets is None
+    assert plain._remote.presigned is not None and payer._remote.presigned is None
     s3_proxy.reset_counters()
     assert payer.read("k") == plain.read("k") == b"abc"
     assert [_signed(r.query) for r in s3_proxy.records("GET")] == [False, True]

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from reshard.layouts.errors import CheckpointExistsError, ReshardError, StorageError
 
-from . import direct, localfs, multipart, retry, s3client
+from . import direct, localfs, multipart, remote, retry, s3client
 from .folders import FolderSync
 from .stats import IOStats
 
@@ -28,36 +28,6 @@ T = TypeVar("T")
 #: Largest object :meth:`Storage.read` reads whole unless told otherwise: whole reads are metadata documents
 #: and small shards (documents have lower limits of their own: :mod:`reshard.store.format.schema`).
 MAX_WHOLE_READ = 1 << 30
-
-#: A remote read longer than ``1.5 * PART_BYTES`` is fetched as parts of about this size in parallel:
-#: an object store gives each connection a fraction of the link (tens of MB/s per stream on S3).
-PART_BYTES = 8 << 20
-
-
-def split_range(offset: int, total: int, part: int = PART_BYTES) -> list[tuple[int, int]]:
-    """``[start, end)`` pieces of the range, about ``part`` bytes each (one piece when it is short)."""
-    if total < 1.5 * part:
-        return [(offset, offset + total)]
-    n = -(-total // part)
-    step = -(-total // n)
-    return [(offset + i, offset + min(total, i + step)) for i in range(0, total, step)]
-
-
-def _scatter(parts: Sequence[bytes], buffers: Sequence[memoryview]) -> None:
-    """Copy the concatenation of ``parts`` into ``buffers`` in order (their lengths add up)."""
-    it = iter(parts)
-    src, pos = memoryview(b""), 0
-    for b in buffers:
-        dst = b.cast("B") if b.ndim != 1 or b.format != "B" else b
-        filled = 0
-        while filled < dst.nbytes:
-            if pos == src.nbytes:
-                src, pos = memoryview(next(it)), 0
-                continue
-            n = min(dst.nbytes - filled, src.nbytes - pos)
-            dst[filled : filled + n] = src[pos : pos + n]
-            filled, pos = filled + n, pos + n
-
 
 class Storage:
     """Objects under one root URL.
@@ -90,7 +60,6 @@ class Storage:
         if local_root is not None:  # fsspec (60 ms to import) only when a call needs it: see :attr:`fs`
             self._fs: Any = None
             root, self.local = local_root, True
-            self._gets: s3client.PresignedGets | None = None
         else:
             import fsspec
             from fsspec.implementations.local import LocalFileSystem
@@ -98,8 +67,8 @@ class Storage:
             self._fs, root = fsspec.core.url_to_fs(self.url, **s3client.with_connections(self.url, self.options))
             self.local = isinstance(self._fs, LocalFileSystem)
             s3client.one_round_trip_writes(self._fs)
-            self._gets = s3client.presigned_gets(self._fs)
         self.root = root.rstrip("/")
+        self._getter: remote.Getter | None = None
         self.retries = retries
         self.durable = bool(durable) and self.local
         self.stats = IOStats()
@@ -198,7 +167,7 @@ class Storage:
         if self.local:  # plain open/read: a tenth of fsspec's cost per small file
             data = self._call(key, lambda: self._read_whole(key, limit))
         else:  # one ranged GET (no HEAD first), of at most limit + 1 bytes
-            data = self._call(key, lambda: self._get(self.path(key), 0, limit + 1))
+            data = self._call(key, lambda: self._remote.get(self.path(key), 0, limit + 1))
         if len(data) > limit:
             raise localfs.too_big(f"{self.url}/{key}", len(data), limit)
         self.count(requests=1, bytes_fetched=len(data))
@@ -224,7 +193,7 @@ class Storage:
             finally:
                 os.close(fd)
         else:
-            data = self._call(key, lambda: self._get(self.path(key), -nbytes))
+            data = self._call(key, lambda: self._remote.get(self.path(key), -nbytes))
         if len(data) != nbytes:  # a remote object shorter than nbytes comes back whole
             raise StorageError(f"{self.url}/{key}: object is {len(data)} bytes, shorter than the {nbytes} bytes "
                                "expected at its end (truncated?)")
@@ -243,7 +212,7 @@ class Storage:
                     os.close(fd)
             data = self._call(key, tail)
         else:
-            data = self._call(key, lambda: self._get(self.path(key), -nbytes))
+            data = self._call(key, lambda: self._remote.get(self.path(key), -nbytes))
         self.count(requests=1, bytes_fetched=len(data))
         return bytes(data)
 
@@ -272,37 +241,27 @@ class Storage:
                 os.close(fd)
         else:
             path = self.path(key)
-            cuts = split_range(offset, total)
+            cuts = remote.split_range(offset, total)
             if len(cuts) == 1:
-                parts = [self._call(key, lambda: self._get(path, offset, offset + total))]
+                parts = [self._call(key, lambda: self._remote.get(path, offset, offset + total))]
             else:  # a long range: its parts in parallel, on the filesystem's own event loop when it has one
-                parts = self._call(key, lambda: self._get_parts(path, cuts))
+                parts = self._call(key, lambda: self._remote.get_parts(path, cuts))
             if sum(len(p) for p in parts) != total:
                 raise StorageError(f"{self.url}/{key}: short read at offset {offset}")
-            _scatter(parts, buffers)
+            remote.scatter(parts, buffers)
 
-    def _get(self, path: str, start: int, end: int | None = None) -> bytes:
-        """One GET of bytes ``[start, end)`` of a remote object (a negative ``start``: its last bytes);
-        on S3 a presigned URL (:class:`.s3client.PresignedGets`)."""
-        if self._gets is not None:
-            return self._gets.cat(path, start, end)
-        return bytes(self.fs.cat_file(path, start=start, end=end))
-
-    def _get_parts(self, path: str, cuts: Sequence[tuple[int, int]]) -> list[bytes]:
-        """The ranges ``cuts`` of a remote object, fetched in parallel."""
-        if self._gets is not None:
-            return self._gets.cat_ranges(path, cuts)
-        starts, ends = [a for a, _ in cuts], [b for _, b in cuts]
-        parts = self.fs.cat_ranges([path] * len(cuts), starts, ends, on_error="raise")
-        if any(isinstance(p, BaseException) for p in parts):
-            raise next(p for p in parts if isinstance(p, BaseException))
-        return [bytes(p) for p in parts]
+    @property
+    def _remote(self) -> remote.Getter:
+        """The GETs of :attr:`fs` (made on first use)."""
+        if self._getter is None:
+            self._getter = remote.Getter(self.fs)
+        return self._getter
 
     def warm_up(self, key: str) -> None:
         """Open a connection of the remote pool with a 1-byte read of ``key``, counted nowhere, errors ignored
         (:func:`reshard.store.read.open` warms a pool before the load's requests need it)."""
         with contextlib.suppress(Exception):
-            self._get(self.path(key), 0, 1)
+            self._remote.get(self.path(key), 0, 1)
 
     def read_if_exists(self, key: str) -> bytes | None:
         """Read a whole object, or None if it is absent: one GET, never a listing.
