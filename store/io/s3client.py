@@ -14,7 +14,7 @@ uses (:func:`one_round_trip_writes`). The body of a refused write is then sent o
 the user agent rebuilt, the endpoint rules resolved, the response's headers parsed into a dict of
 Python objects. A load of the directory form makes a request per chunk (259 for W1's 64 MiB), so
 that CPU, not the link, bounded S3 loads. :class:`PresignedGets` asks botocore for a presigned URL
-instead (0.6 ms: the same credentials, endpoint and signature) and sends the GET on the client's
+instead (0.3-0.6 ms: the same credentials, endpoint and signature) and sends the GET on the client's
 own HTTP session (its pool of connections, its TLS and proxy settings, its timeouts): 0.8 ms.
 An error answer is read as s3fs reads it (:func:`s3fs.errors.translate_boto_error`), so a missing
 key is a FileNotFoundError, a missing bucket says ``NoSuchBucket``, a denial is a PermissionError,
@@ -24,7 +24,7 @@ keeps s3fs's own GETs (:func:`presigned_gets` returns None).
 **Connections.** botocore keeps at most 10 connections per client (``max_pool_connections``), fewer
 than the remote I/O threads that keep requests in flight (:func:`~reshard.store.io.pool.io_threads`:
 cores + 16) and the parts of an upload: the rest waited for a connection, a queue that grew with the
-round-trip time. :func:`with_connections` asks for enough (:data:`CONNECTIONS`) unless the options
+round-trip time. :func:`with_connections` asks for enough (:func:`connections`) unless the options
 say otherwise; fsspec's http filesystem allows 100.
 """
 
