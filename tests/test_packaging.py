@@ -36,6 +36,7 @@ OPTIONAL = {
     "distributed": ("dask", "distributed"),
     "tqdm": ("dask", "tqdm"),
     "matplotlib": ("notebooks", "matplotlib"),
+    "s3fs": ("s3", "s3fs"),
     "moto": ("testing", "moto"),
     "boto3": ("testing", "boto3"),
     "botocore": ("testing", "botocore"),
