@@ -264,7 +264,7 @@ class Runner:
         """Per-run GET requests and bytes the proxy saw (warmup runs included in the count), less the first
         open's 1-byte reads of the marker that open the connection pool (``wire_warm_ups``; reshard's own
         counters leave them out too)."""
-        from reshard.store.commit.marker import is_warm_up
+        from reshard.store.read.open import is_warm_up
 
         runs = max(1, len(m.times) + self.opts.warmup)
         if m.per_rank:

@@ -1,11 +1,10 @@
-"""Loads and saves over a link with round trips (issue 38 items 2 and 3): which requests wait on which.
+"""Loads over a link with round trips (issue 38 item 2): which requests wait on which.
 
 Over a :class:`reshard.store.testing.ShapedCloud` the relay's request log shows the chain of
 requests one rank's ``open`` + ``load`` makes one after another (:mod:`reshard.store.testing.chain`):
 the marker and the root's copy of the metadata go out together, the URL check goes out with the
 data, and no more than 3 round trips (a new connection's handshake included) come before the data,
-over http and S3; a commit over S3 is 7 round trips; a rank's write after ``create`` makes its two checks in
-one round trip on connections ``create`` opened, then its lease, then its data.
+over http and S3; a commit over S3 is 7 round trips.
 The copy's rules (used only when its digest is the marker's) are tested on ``memory://`` (remote
 to reshard, no link needed). Skipped, with the reason, where root, namespaces, nginx or cheroot are missing.
 """
@@ -22,10 +21,9 @@ import numpy as np
 import pytest
 import reshard.store as rs
 from reshard.layouts import Layout
-from reshard.store.commit.locks import LEASE_KEY
-from reshard.store.commit.marker import is_warm_up
 from reshard.store.format.encode import crc32c
 from reshard.store.format.meta import COMMIT_KEY, HEAD_KEY, MISSING
+from reshard.store.read.open import is_warm_up
 from reshard.store.testing import ShapedCloud, chain
 from reshard.store.testing import shaped as shaped_mod
 
@@ -161,35 +159,6 @@ def test_a_commit_over_s3_is_7_round_trips_one_after_another(cloud: ShapedCloud)
     assert min(found) <= 7, f"{found} round trips one after another: {[(r.method, r.path) for r in reqs]}"
     assert np.array_equal(rs.open(f"s3://{bucket}/commit", storage_options=opts).read_all()["layer1"]["w"],
                           _values("layer1.w"))
-
-
-@pytest.mark.parametrize("form", ["packed", "directory"])
-def test_a_ranks_write_over_s3_checks_in_one_round_trip_then_leases_then_writes(cloud: ShapedCloud, form: str) -> None:
-    """``create`` reads the marker beside 1-byte reads that open the pool's connections; a rank's write then
-    sends its two checks (its own earlier attempt, gc's collected mark) side by side on them, writes its lease
-    one round trip later and its data one after that. One after the other on a cold pool, it was 4 round trips."""
-    bucket = cloud.make_bucket()
-    opts = cloud.storage_options()
-    lay = {n: Layout.from_dtensor(8, ["Shard(0)"], SHAPE) for n in NAMES}
-    url = f"s3://{bucket}/{form}"
-    w = rs.create(url, lay, storage_options=opts, form=form)
-    start = time.monotonic()
-    w.write(3, {n: _values(n)[lay[n].region(3)] for n in NAMES})
-    end = time.monotonic()
-    time.sleep(0.2)  # the relay's last lines
-    reqs = cloud.requests(start, end)
-    depth = chain.depths(reqs, cloud.rtt)
-    seen = [(r.method, r.path.split(bucket, 1)[-1], d) for r, d in zip(reqs, depth, strict=True)]
-    checks = [d for m, _, d in seen if m == "GET"]
-    lease = [d for _, path, d in seen if path.endswith(LEASE_KEY)]
-    data = [d for m, path, d in seen if m in ("PUT", "POST") and not path.endswith(LEASE_KEY)]
-    assert checks == [1, 1], f"the checks went out one after the other or on new connections: {seen}"
-    assert lease == [2] and min(data) == 3, seen
-    for r in range(8):
-        if r != 3:
-            w.write(r, {n: _values(n)[lay[n].region(r)] for n in NAMES})
-    w.commit()
-    assert np.array_equal(rs.open(url, storage_options=opts).read_all()["layer2"]["w"], _values("layer2.w"))
 
 
 # ------------------------------------------------------ the root's copy of the metadata (memory://)

@@ -19,8 +19,8 @@ import reshard.store as rs
 import zarr
 from reshard.layouts import Layout
 from reshard.layouts.errors import FormatError
-from reshard.store.commit.marker import is_warm_up
 from reshard.store.format import refs as references
+from reshard.store.read.open import is_warm_up
 
 RNG = np.random.default_rng(12)
 

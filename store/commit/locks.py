@@ -15,7 +15,6 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 from reshard.layouts.errors import (
@@ -26,7 +25,6 @@ from reshard.layouts.errors import (
 from ..format.meta import (
     LOCK_KEY,
 )
-from ..io import pool
 from ..io.storage import Storage
 from .marker import (
     GENERATION_PREFIX,
@@ -81,22 +79,18 @@ class Lease:
         self._renewed: float | None = None
         self._lock = threading.Lock()
 
-    def renew(self, check: bool = False, beside: Callable[[], Any] | None = None) -> None:
+    def renew(self, check: bool = False) -> None:
         """Write the lease if never done, or more than :data:`LEASE_RENEW` s ago, refusing a collected generation.
 
         The check costs one GET. It is made when the lease is written and, with
         ``check``, every call (a rank's write: a save gc collected meanwhile
         writes no more); a block writer's blocks skip it (its commit refuses).
-        ``beside``: a check of the caller's that must pass before the lease is
-        written, run side by side with this one (two GETs in one round trip).
         """
         with self._lock:
             now = time.monotonic()
             due = self._renewed is None or now - self._renewed >= LEASE_RENEW
-            checks = [beside] if beside is not None else []
             if check or due:
-                checks.append(lambda: check_not_collected(self.root, self.generation))
-            pool.run_all(checks, self.root.local)
+                check_not_collected(self.root, self.generation)
             if not due:
                 return
             body = json.dumps({"time": time.time(), "host": socket.gethostname(), "pid": os.getpid()}).encode()

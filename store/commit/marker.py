@@ -8,10 +8,7 @@ and the sha256 of its metadata (:mod:`.protocol` writes it, last).
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
-import threading
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -135,36 +132,6 @@ def read_marker(root: Storage) -> tuple[Marker, bytes] | None:
     except FileNotFoundError:
         return None
     return Marker.parse(root.url, raw), raw
-
-
-#: Connections a pooling remote filesystem (fsspec's async ones: HTTP(S), S3, GCS...) opens with its first
-#: ``open`` or ``create`` (1-byte reads of the marker, beside the marker's own read, not counted in ``stats``):
-#: the requests after it then find them open, not paying a handshake each (a round trip; more with TLS) in the
-#: middle of a load, or before a rank's checks and upload parts.
-WARM_CONNECTIONS = 8
-_warmed_lock = threading.Lock()
-
-
-def warm_ups(root: Storage) -> list[Callable[[], None]]:
-    """The warm-up reads for ``root``'s filesystem: :data:`WARM_CONNECTIONS` the first time, none after (the
-    filesystem object is marked: its pool keeps the connections; a new object, even of equal options, has a
-    new pool), none for local files."""
-    if root.local:
-        return []
-    fs = root.fs
-    if not getattr(fs, "async_impl", False):  # no pool of connections (memory://)
-        return []
-    with _warmed_lock:
-        if getattr(fs, "_reshard_warmed", False):
-            return []
-        fs._reshard_warmed = True
-    return [functools.partial(root.warm_up, COMMIT_KEY)] * WARM_CONNECTIONS
-
-
-def is_warm_up(path: str, range_header: str | None) -> bool:
-    """Whether a request seen on the wire (its path and ``Range`` header) is one of :func:`warm_ups`' reads
-    (tests and benches that count requests tell them from a load's or a save's own)."""
-    return path.endswith(COMMIT_KEY) and range_header == "bytes=0-0"
 
 
 def generation_storage(root: Storage, marker: Marker) -> Storage:

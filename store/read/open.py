@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,12 +29,11 @@ from ..commit.marker import (
     read_marker,
     read_root_document,
     root_document_keys,
-    warm_ups,
 )
 from ..format import refs as references
 from ..format.consolidated import RootMetadata
 from ..format.manifests import merge_manifests, present_ranks, read_manifest, read_manifests
-from ..format.meta import HEAD_KEY, META_DIR, ArrayMeta
+from ..format.meta import COMMIT_KEY, HEAD_KEY, META_DIR, ArrayMeta
 from ..format.schema import MAX_DOCUMENT_BYTES
 from ..io import pool
 from ..io.gcpause import gc_paused
@@ -133,9 +133,36 @@ def read_marker_and_head(root: Storage) -> tuple[tuple[Marker, bytes] | None, by
 
     if root.local:  # no round trip to save: the generation's own document, as a plain zarr reader sees it
         return read_marker(root), None
-    jobs: list[Callable[[], Any]] = [functools.partial(read_marker, root), head, *warm_ups(root)]
+    jobs: list[Callable[[], Any]] = [functools.partial(read_marker, root), head, *_warm_ups(root)]
     found, copy, *_ = pool.run_all(jobs, local=False)
     return found, copy
+
+
+#: Connections a pooling remote filesystem (fsspec's async ones: HTTP(S), S3, GCS...) opens with its first
+#: ``open`` (1-byte reads of the marker, beside the marker's own read, not counted in ``stats``): the requests
+#: after it then find them open, not paying a handshake each (a round trip; more with TLS) in the middle of the load.
+WARM_CONNECTIONS = 8
+_warmed_lock = threading.Lock()
+
+
+def _warm_ups(root: Storage) -> list[Callable[[], None]]:
+    """The warm-up reads for ``root``'s filesystem: :data:`WARM_CONNECTIONS` the first time, none after (the
+    filesystem object is marked: its pool keeps the connections; a new object, even of equal options, has a
+    new pool)."""
+    fs = root.fs
+    if not getattr(fs, "async_impl", False):  # no pool of connections (local, memory://)
+        return []
+    with _warmed_lock:
+        if getattr(fs, "_reshard_warmed", False):
+            return []
+        fs._reshard_warmed = True
+    return [functools.partial(root.warm_up, COMMIT_KEY)] * WARM_CONNECTIONS
+
+
+def is_warm_up(path: str, range_header: str | None) -> bool:
+    """Whether a request seen on the wire (its path and ``Range`` header) is one of :func:`_warm_ups`' reads
+    (tests and benches that count requests tell them from the load's own)."""
+    return path.endswith(COMMIT_KEY) and range_header == "bytes=0-0"
 
 
 def _file_not_checkpoint(url: str) -> str:

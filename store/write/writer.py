@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import math
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -39,7 +39,7 @@ from reshard.layouts.errors import (
 
 from ..commit.fence import MANIFEST_FIELD, manifest_token
 from ..commit.locks import Lease
-from ..commit.marker import Marker, generation_of, read_marker, save_id_of, warm_ups
+from ..commit.marker import Marker, generation_of, read_marker, save_id_of
 from ..commit.protocol import commit
 from ..format.dtypes import dtype_name
 from ..format.encode import encode_shard
@@ -142,9 +142,7 @@ class CheckpointWriter:
         self._known: dict[str, tuple[dict[str, Any], ArrayMeta]] = {}
         self.check_names(self.names())
         self._checked = set(self.names())  # names checked together (a write passing only these needs no check)
-        # the marker, beside reads that open the connections a rank's checks and upload parts go on
-        jobs: list[Callable[[], Any]] = [functools.partial(read_marker, self.root), *warm_ups(self.root)]
-        current = pool.run_all(jobs, local=False)[0]
+        current = read_marker(self.root)
         if current is not None:
             committed = current[0]
             if not overwrite:
@@ -226,8 +224,8 @@ class CheckpointWriter:
         missing = [n for n in self.names() if n not in tensors and self.layout(n).has_rank(rank)]
         if missing:
             raise LayoutError(f"rank {rank} holds {missing} by its layouts but did not pass them")
-        # both checks pass before the lease is written: a save_id gc collected is refused, never reused
-        self._lease.renew(check=True, beside=lambda: self._check_not_written(rank))
+        self._check_not_written(rank)
+        self._lease.renew(check=True)  # after that check: a save_id gc collected is refused, never reused
         metas = {n: p.meta for n, p in plans.items()}
         manifest = rank_manifest(rank, self.save_id, metas, leaves, {n: p.record for n, p in plans.items()})
         if self.fence is not None:
