@@ -1,4 +1,5 @@
-"""Tests of ``reshard.store.testing``: a real moto server behind the counting proxy."""
+"""Tests of ``reshard.store.testing``: a real moto server behind the counting proxy, and the shaped cloud's
+S3 server (``motoserve``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections import Counter
 from typing import Any
 
@@ -218,3 +220,46 @@ def test_import_without_moto() -> None:
         "assert testing.s3_storage_options('http://h:1')['endpoint_url'] == 'http://h:1'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_motoserve_serves_s3_straight_and_resets(tmp_path) -> None:
+    """The shaped cloud's S3 server (``motoserve``, its own process as in the cloud) answers S3 without moto's
+    service dispatcher: a bucket, a write and a ranged read through s3fs, a refused conditional create, a
+    presigned GET (no ``Authorization`` header to dispatch on); ``/moto-api/reset`` empties it."""
+    pytest.importorskip("cheroot")
+    from reshard.store.testing import motoserve
+    from reshard.store.testing.service import s3_request, s3_storage_options
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp_path / "moto.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen([sys.executable, motoserve.__file__, "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "moto.log").read_text()
+                time.sleep(0.1)
+        s3_request(endpoint, "PUT", "/straight")
+        fs = s3fs.S3FileSystem(**s3_storage_options(endpoint))
+        data = os.urandom(100_000)
+        fs.pipe_file("straight/a", data)
+        assert fs.cat_file("straight/a", start=10, end=1000) == data[10:1000]
+        with pytest.raises(OSError):
+            fs.pipe_file("straight/a", b"x", IfNoneMatch="*")
+        url = fs.sign("straight/a")
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            assert resp.read() == data
+        s3_request(endpoint, "POST", "/moto-api/reset")
+        fs.invalidate_cache()
+        with pytest.raises(FileNotFoundError):
+            fs.cat_file("straight/a")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
