@@ -7,7 +7,8 @@
   8 objects side by side, each a multipart upload of 8 MiB parts (``x raw PUT`` is to this row), then
   each one PUT: what moto takes on this link;
 * ``reshard save``: 8 rank processes, each ``create(url).write(rank, local)`` (a rank's packed
-  object: a multipart upload straight from its buffers), rank 0 commits once all wrote;
+  object: a multipart upload straight from its buffers), rank 0 commits once all wrote (a barrier of
+  local files, as a job's own barrier goes over its network, not the bucket);
 * ``reshard commit``: the commit alone (8 ranks written beforehand, this process), its requests;
 * ``TensorStore save``: the same 8 rank processes with ``create(url, engine="tensorstore", form="directory")``:
   each rank's regions written by TensorStore's zarr3 driver through its ``s3`` kvstore, rank 0 commits;
@@ -27,7 +28,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -37,7 +40,6 @@ from bench.cloud import tensorstore_s3_key, w1_config
 from bench.harness import Ctx, free_port, run_group
 from bench.tasks_dcp import Save as _DcpLocalSave
 from bench.tasks_reshard import Save as _ReshardSave
-from bench.tasks_reshard import wait_written
 
 
 class ReshardS3Save(_ReshardSave):
@@ -54,8 +56,17 @@ class ReshardS3Save(_ReshardSave):
                                 overwrite=True, save_id=self.step, engine=engine,
                                 form="directory" if engine == "tensorstore" else None)
         writer.write(self.ctx.rank, self.local)
-        if self.ctx.rank == 0:  # the barrier a training job has anyway: wait for the rank objects
-            wait_written(writer, self.ranks, poll=0.05)  # a GET each: moto is the CPU here
+        # the barrier a training job has anyway, over its own network as DCP's gloo collectives are, not the bucket:
+        # polled over the link, one rank after another, it took a round trip per rank after the last object was in
+        barrier = Path(self.ctx.args["barrier"])  # a folder of this group's own
+        barrier.mkdir(exist_ok=True)
+        (barrier / f"{self.step}.{self.ctx.rank}").touch()
+        if self.ctx.rank == 0:
+            deadline = time.monotonic() + 600
+            while not all((barrier / f"{self.step}.{r}").exists() for r in self.ranks):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the ranks of step {self.step} did not all write within 600 s")
+                time.sleep(0.001)
             writer.commit()
         return writer.storage.stats.as_dict()
 
@@ -151,8 +162,9 @@ def measure(rate: float, rtt_ms: float, cfg: dict[str, Any], reps: int, conn: fl
                              moto=(_server_cpu(cloud) - cpu) / (reps + 1)))
         raw = raws[0]
         del blobs
+        barriers = tempfile.TemporaryDirectory(prefix="reshard-barrier-")
         args = {"workload": "w1", "cfg": cfg, "mesh": [8], "url": f"s3://{bucket}/reshard",
-                "storage_options": opts}
+                "storage_options": opts, "barrier": f"{barriers.name}/reshard"}
         cpu = _server_cpu(cloud)
         m = run_group("bench.cloud_save:ReshardS3Save", 8, args, reps=reps, warmup=1, timeout_s=900)
         if m.error:
@@ -161,13 +173,14 @@ def measure(rate: float, rtt_ms: float, cfg: dict[str, Any], reps: int, conn: fl
             rows.append(_row(rtt_ms, "reshard", "save (8 ranks + commit)", statistics.median(m.times), floor, raw,
                              total, rss=m.peak_rss - m.base_rss, moto=(_server_cpu(cloud) - cpu) / (reps + 1)))
         tensorstore_s3_key(opts)
-        ts_args = {**args, "url": f"s3://{bucket}/ts", "engine": "tensorstore"}
+        ts_args = {**args, "url": f"s3://{bucket}/ts", "engine": "tensorstore", "barrier": f"{barriers.name}/ts"}
         m = run_group("bench.cloud_save:ReshardS3Save", 8, ts_args, reps=reps, warmup=1, timeout_s=900)
         if m.error:
             print(f"TensorStore save failed: {m.error[-600:]}", flush=True)
         else:
             rows.append(_row(rtt_ms, "TensorStore", "save (8 ranks + commit, directory form)",
                              statistics.median(m.times), floor, raw, total, rss=m.peak_rss - m.base_rss))
+        barriers.cleanup()
         took, counts = _commit_alone(f"s3://{bucket}/alone", opts, cfg, 1)
         rows.append(_row(rtt_ms, "reshard", "commit alone (8 ranks)", took, 3 * rtt_ms / 1000, None, 0,
                          requests=counts.get("requests", 0) + counts.get("writes", 0)))

@@ -253,3 +253,35 @@ def test_a_directory_shard_laid_out_otherwise_is_read_by_its_real_index() -> Non
         want = _values(n_)[_target()[n_].region(3)]
         np.testing.assert_array_equal(got["moved"][n_.split(".")[0]]["w"], want)
     assert stats["moved"] > stats["plain"]  # the moved shard's chunks were read twice: by the plain index, then
+
+
+def test_index_checks_go_in_turn_with_the_reads_they_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Remote, the fetch of each index that only checks an assumed one is queued between the chunk reads, not
+    before them all (the data would wait for every index) nor after (a load's end would wait for them)."""
+    from reshard.store.io import pool
+
+    url = _memory_url()
+    _save(url, "directory")
+    ckpt = rs.open(url)
+    storage, calls = ckpt.storage, []
+    read_suffix, read_into = storage.read_suffix, storage.read_into
+
+    def index(key: str, nbytes: int) -> bytes:
+        calls.append("index")
+        return read_suffix(key, nbytes)
+
+    def data(*args: object, **kwargs: object) -> object:
+        calls.append("data")
+        return read_into(*args, **kwargs)
+
+    monkeypatch.setattr(storage, "read_suffix", index)
+    monkeypatch.setattr(storage, "read_into", data)
+    monkeypatch.setenv("RESHARD_IO_THREADS", "1")  # a pool of one thread: the calls come in queue order
+    monkeypatch.setattr(pool, "_pools", {})
+    try:
+        got = ckpt.load(_target(), 3)
+    finally:
+        pool._pools[False].shutdown()
+    for n in NAMES:
+        np.testing.assert_array_equal(got[n.split(".")[0]]["w"], _values(n)[_target()[n].region(3)])
+    assert calls == ["data", "index"] * len(NAMES) * 2  # rank 3 of 7 takes 2 of the 8 shards of each tensor

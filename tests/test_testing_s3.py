@@ -263,3 +263,59 @@ def test_motoserve_serves_s3_straight_and_resets(tmp_path) -> None:
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
+
+
+_RANGES_SCRIPT = r"""
+import hashlib, json, sys
+sys.path.insert(0, sys.argv[1])
+import motoserve
+from moto.s3.models import FakeKey
+from werkzeug.test import Client
+
+whole, reads = FakeKey.__dict__["value"], []
+FakeKey.value = property(lambda key: reads.append(1) or whole.fget(key), whole.fset)  # counts whole reads
+if sys.argv[2] == "ranged":
+    app = motoserve.S3Only()
+else:
+    from moto.moto_server.werkzeug_app import create_backend_app
+    app = create_backend_app("s3")
+client = Client(app)
+auth = {"Authorization": "AWS4-HMAC-SHA256 Credential=testing/20000101/us-east-1/s3/aws4_request, "
+                         "SignedHeaders=host, Signature=0", "Host": "127.0.0.1:5000"}
+data = bytes(range(256)) * (6 << 12)  # 6 MiB: past moto's 5 MiB in memory, so kept in a file
+assert client.put("/bkt", headers=auth).status_code == 200
+assert client.put("/bkt/k", data=data, headers=auth).status_code == 200
+answers = []
+for rng in json.loads(sys.argv[3]):
+    got = client.get("/bkt/k", headers={**auth, "Range": rng} if rng else auth)
+    body = got.data if got.status_code < 300 else b""  # an error's body holds a random request id
+    answers.append([rng, got.status_code, got.headers.get("Content-Range"), got.headers.get("Content-Length"),
+                    hashlib.sha256(body).hexdigest()])
+print(json.dumps({"answers": answers, "whole_reads": len(reads), "first": answers[0][4] ==
+                  hashlib.sha256(data[10:1000]).hexdigest()}))
+"""
+
+
+def test_motoserve_reads_only_the_range_a_get_asks() -> None:
+    """The shaped cloud's moto answers a ranged GET from the range alone (``motoserve.read_ranges_only``): every
+    answer (status, Content-Range, length, bytes) is plain moto's, on an object moto keeps in a file, but only
+    the GETs moto answers whole read the object whole. Each in a process of its own (the patch is global)."""
+    pytest.importorskip("cheroot")
+    import json
+
+    from reshard.store.testing import motoserve
+
+    ranges = ["bytes=10-999", "bytes=-1000", "bytes=6000000-", "bytes=5-99999999", "bytes=7000000-",
+              "bytes=0-1,5-9", None]
+    got = {}
+    for mode in ("ranged", "plain"):
+        out = subprocess.run([sys.executable, "-c", _RANGES_SCRIPT, os.path.dirname(motoserve.__file__), mode,
+                              json.dumps(ranges)], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        got[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["ranged"]["answers"] == got["plain"]["answers"]
+    assert got["ranged"]["first"]
+    assert [a[1] for a in got["plain"]["answers"]] == [206, 206, 206, 206, 416, 200, 200]
+    assert got["plain"]["whole_reads"] == len(ranges)  # plain moto reads the object whole for each GET
+    assert got["ranged"]["whole_reads"] == 1  # the GET without a range (the multi-range one, answered whole too,
+    # is read through the range reader)

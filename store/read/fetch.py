@@ -241,7 +241,7 @@ class Fetcher:
             return self._read_packed(jobs, delivered)
         keys = [[(shard, meta.shard_key(shard)) for shard in meta.shards_in(region)] for meta, region, _ in jobs]
         assumed = self._assumed_indexes(jobs, keys)
-        (fetches, index_sizes), blobs = self._index_jobs(jobs, keys)
+        fetches, blobs = self._index_jobs(jobs, keys)
         # jobs whose chunks can be located now (cached or assumed indexes) are read with the indexes fetched;
         # the others once those are in. Without assumed indexes: the indexes first, then every job's chunks.
         now = [j for j, shards in enumerate(keys)
@@ -249,9 +249,16 @@ class Fetcher:
         taken = set(now)
         later = [j for j in range(len(jobs)) if j not in taken]
         work = self._plan_directory([jobs[j] for j in now], [keys[j] for j in now], assumed)
-        tasks = [*fetches, *(functools.partial(_guarded, execute, self.storage, *w) for w in work)]
-        done = pool.run_batched(tasks, [*index_sizes, *(w[0].nbytes for w in work)], self.storage.local)
-        index_bytes, first = done[: len(fetches)], done[len(fetches):]
+        # first the indexes that later reads wait on; then each read that can go now beside one index fetch that
+        # only checks an assumed index. Queued after every read, those checks held a load's end by as long as its
+        # indexes take on the threads freed last; queued before them, they held back its first data (a rank's
+        # load over S3 at 5 ms: 0.325 s either way, 0.256 s side by side; docs/performance.md)
+        reads = [(True, functools.partial(_guarded, execute, self.storage, *w), w[0].nbytes) for w in work]
+        queue = [(False, fetch, n) for key, fetch, n in fetches if key not in assumed]
+        queue += _alternate(reads, [(False, fetch, n) for key, fetch, n in fetches if key in assumed])
+        done = pool.run_batched([task for _, task, _ in queue], [n for _, _, n in queue], self.storage.local)
+        first = [got for (is_read, _, _), got in zip(queue, done, strict=True) if is_read]
+        index_bytes = [got for (is_read, _, _), got in zip(queue, done, strict=True) if not is_read]
         wrong = {k for k, index in assumed.items()
                  if k not in self.indexes or not np.array_equal(self.indexes[k], index)}
         for w, got in zip(work, first, strict=True):
@@ -308,14 +315,14 @@ class Fetcher:
 
     def _index_jobs(self, jobs: list[tuple[ArrayMeta, Region, np.ndarray]],
                     keys: list[list[tuple[tuple[int, ...], str]]]
-                    ) -> tuple[tuple[list[Any], list[int]], dict[str, memoryview]]:
+                    ) -> tuple[list[tuple[str, Any, int]], dict[str, memoryview]]:
         """The fetches of the shard indexes the jobs need (cached for the checkpoint's life), to run.
 
         ``keys`` holds each job's (shard, key) pairs. A shard of at most
         ``small_shard_bytes`` is fetched whole, index and data in one request;
         its bytes land in the returned dict (keyed by shard key) for this call
-        only. Returns the jobs (each returns the bytes of its request) with
-        their sizes, and that dict (filled as they run).
+        only. Returns ``(shard key, job, size)`` for each (a job returns the
+        bytes of its request), and that dict (filled as they run).
         """
         wanted: dict[str, tuple[ArrayMeta, tuple[int, ...]]] = {}
         for (meta, _, _), shards in zip(jobs, keys, strict=True):
@@ -344,9 +351,8 @@ class Fetcher:
             self.indexes[key] = decode_index(data, meta, key, shard, f"{self.storage.url}/{key}")
             return size
 
-        fetches = [functools.partial(fetch, k, *w) for k, w in wanted.items()]
-        sizes = [shard_bytes[k] if small[k] else m.index_nbytes(i) for k, (m, i) in wanted.items()]
-        return (fetches, sizes), blobs
+        return [(k, functools.partial(fetch, k, m, i), shard_bytes[k] if small[k] else m.index_nbytes(i))
+                for k, (m, i) in wanted.items()], blobs
 
     # ------------------------------------------------------------ packed
     def _read_packed(self, jobs: list[tuple[ArrayMeta, Region, np.ndarray]], delivered: int) -> IOStats:
@@ -442,6 +448,13 @@ class Fetcher:
         return IOStats(requests=located_by.requests + len(sizes) + far_requests,
                        bytes_fetched=located_by.bytes_fetched + sum(sizes) + sum(fetched),
                        bytes_delivered=delivered, tasks=len(tasks))
+
+
+def _alternate(a: list[Any], b: list[Any]) -> list[Any]:
+    """``a[0], b[0], a[1], b[1], ...``, the longer list's rest at the end."""
+    out = [x for pair in zip(a, b, strict=False) for x in pair]
+    n = min(len(a), len(b))
+    return out + a[n:] + b[n:]
 
 
 def _guarded(fn: Any, *args: Any) -> Any:
