@@ -281,7 +281,8 @@ def test_index_checks_go_in_turn_with_the_reads_they_check(monkeypatch: pytest.M
     try:
         got = ckpt.load(_target(), 3)
     finally:
-        pool._pools[False].shutdown()
+        for made in pool._pools.values():  # this test's own pool of one thread
+            made.shutdown()
     for n in NAMES:
         np.testing.assert_array_equal(got[n.split(".")[0]]["w"], _values(n)[_target()[n].region(3)])
     assert calls == ["data", "index"] * len(NAMES) * 2  # rank 3 of 7 takes 2 of the 8 shards of each tensor

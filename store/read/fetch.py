@@ -250,9 +250,9 @@ class Fetcher:
         later = [j for j in range(len(jobs)) if j not in taken]
         work = self._plan_directory([jobs[j] for j in now], [keys[j] for j in now], assumed)
         # first the indexes that later reads wait on; then each read that can go now beside one index fetch that
-        # only checks an assumed index. Queued after every read, those checks held a load's end by as long as its
-        # indexes take on the threads freed last; queued before them, they held back its first data (a rank's
-        # load over S3 at 5 ms: 0.325 s either way, 0.256 s side by side; docs/performance.md)
+        # only checks an assumed index. Queued before every read, those checks held back a load's first data;
+        # after them, they held its end on the threads freed last (a rank's load of W1 over S3 at 5 ms: 0.325 s
+        # with the checks first, 0.29-0.31 s with them last, 0.256 s in turn; docs/performance.md)
         reads = [(True, functools.partial(_guarded, execute, self.storage, *w), w[0].nbytes) for w in work]
         queue = [(False, fetch, n) for key, fetch, n in fetches if key not in assumed]
         queue += _alternate(reads, [(False, fetch, n) for key, fetch, n in fetches if key in assumed])
