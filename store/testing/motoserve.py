@@ -15,7 +15,7 @@ request (``backends.list_of_moto_modules``, ~350 ``isdir`` calls) under one lock
 a third of moto's CPU for a GET (yappi, moto 5.2.5), paid on the cores the client shares with
 the server, which no object store charges its client. ``/moto-api`` (reset) goes to moto's API
 application. A GET with a ``Range`` reads only that range of the object (:func:`read_ranges_only`;
-moto reads the whole object and slices it: an 8 MiB copy for each ranged GET of a packed load).
+moto reads the whole object and slices it: an 8 MiB copy for each ranged GET of a packed load's data).
 moto still spills each object or part over 5 MiB to a temporary file: kept in
 memory instead (``MOTO_S3_DEFAULT_KEY_BUFFER_SIZE``), moto used a fifth less CPU for a save,
 but then held every object saved in its memory (7 GB after 24 saves of 256 MiB) and the saves
