@@ -34,7 +34,7 @@ import threading
 from typing import Any
 
 _local = threading.local()
-_patched: list[bool] = []
+_patched = False
 
 
 class _Range:
@@ -65,9 +65,10 @@ def read_ranges_only() -> None:
     from moto.s3.models import FakeKey
     from moto.s3.responses import S3Response
 
+    global _patched
     if _patched:
         return
-    _patched.append(True)
+    _patched = True
     whole: Any = FakeKey.__dict__["value"]  # the property
     get_object, key_response = S3Response.get_object, S3Response.key_response
 
